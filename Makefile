@@ -1,0 +1,31 @@
+# `make run` and `make test` do all set-up on a fresh machine with only python3 and make.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/default.py
+
+.PHONY: run test lint format clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) experiments/run.py --config $(CONFIG)
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

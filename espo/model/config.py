@@ -1,0 +1,181 @@
+"""`ModelConfig`: the frozen, validated description of a decoder-only MoE transformer.
+
+Covers Qwen3-MoE and Mixtral (and Qwen2-MoE-style shared experts). Every invalid value raises a
+`ValueError` naming the field, the value and the valid range, at construction time, so that no
+shape error surfaces deep inside a jitted forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax.numpy as jnp
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class RoutingMode(enum.Enum):
+    """How a forward pass chooses experts (a static argument of `forward`).
+
+    FREE: the router's own top-k.
+    REPLAY_IDS: the experts given in `routing.expert_ids`; gate weights are recomputed with the
+      model's own gating (softmax over all experts, gathered at the given ids, renormalised when
+      the model renormalises), so the router keeps its gradient. Ids of -1 get zero weight.
+    REPLAY_IDS_AND_WEIGHTS: ids and gate weights exactly as given; no gradient reaches the router
+      through the gates.
+    """
+
+    FREE = "free"
+    REPLAY_IDS = "replay_ids"
+    REPLAY_IDS_AND_WEIGHTS = "replay_ids_and_weights"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture of a MoE decoder. Field names follow the shape letters of STYLE.md."""
+
+    vocab_size: int  # V
+    d_model: int  # D, residual width
+    num_layers: int  # L
+    num_heads: int  # H, query heads
+    num_kv_heads: int  # N, key/value heads (GQA when N < H)
+    head_dim: int  # per-head width
+    num_experts: int  # E, routed experts per MoE layer
+    top_k: int  # K, experts per token
+    moe_ffn_dim: int  # F, hidden width of one routed expert
+    dense_layers: tuple[int, ...] = ()  # layers with a dense SwiGLU MLP instead of a MoE block
+    dense_ffn_dim: int = 0  # hidden width of the dense MLP (required when dense_layers is set)
+    shared_expert_ffn_dim: int = 0  # width of an always-on shared expert; 0 disables it
+    shared_expert_gate: bool = True  # sigmoid gate on the shared expert (Qwen2-MoE style)
+    rms_eps: float = 1e-6  # epsilon of every RMSNorm
+    rope_theta: float = 10000.0  # RoPE base frequency
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3) before RoPE
+    norm_topk_prob: bool = True  # renormalise the top-k gate weights to sum to one
+    tie_embeddings: bool = False  # output projection shares the input embedding
+    sliding_window: int | None = None  # attend to at most this many previous positions
+    param_dtype: str = "float32"  # storage dtype of the parameters
+    dtype: str = "float32"  # compute dtype of activations and matmuls
+    aux_loss_coef: float = 0.0  # weight of the load-balancing loss in `aux.total`
+    z_loss_coef: float = 0.0  # weight of the router z-loss in `aux.total`
+
+    def __post_init__(self):
+        def need(ok: bool, field: str, valid: str):
+            if not ok:
+                value = getattr(self, field)
+                raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {valid}")
+
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, ">= 1")
+        for name in ("head_dim", "num_experts", "top_k", "moe_ffn_dim"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, ">= 1")
+        need(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"must divide num_heads={self.num_heads}",
+        )
+        need(self.head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs)")
+        need(
+            self.top_k <= self.num_experts,
+            "top_k",
+            f"must be in [1, num_experts={self.num_experts}]",
+        )
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+        need(
+            all(0 <= i < self.num_layers for i in self.dense_layers),
+            "dense_layers",
+            f"layer indices must be in [0, num_layers={self.num_layers})",
+        )
+        need(
+            not self.dense_layers or self.dense_ffn_dim >= 1,
+            "dense_ffn_dim",
+            ">= 1 when dense_layers is non-empty",
+        )
+        need(self.shared_expert_ffn_dim >= 0, "shared_expert_ffn_dim", ">= 0 (0 disables it)")
+        need(self.rms_eps > 0, "rms_eps", "> 0")
+        need(self.rope_theta > 0, "rope_theta", "> 0")
+        need(
+            self.sliding_window is None or self.sliding_window >= 1,
+            "sliding_window",
+            "None or >= 1",
+        )
+        need(self.param_dtype in _DTYPES, "param_dtype", f"one of {_DTYPES}")
+        need(self.dtype in _DTYPES, "dtype", f"one of {_DTYPES}")
+        need(self.aux_loss_coef >= 0, "aux_loss_coef", ">= 0")
+        need(self.z_loss_coef >= 0, "z_loss_coef", ">= 0")
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def jnp_param_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    def layer_runs(self) -> tuple[tuple[bool, int, int], ...]:
+        """Maximal runs of consecutive layers of one kind, as (is_moe, start, length).
+
+        Each run is one `nn.scan`, so compile time grows with the number of runs (1 for an all-MoE
+        model, 2 for DeepSeek-style leading dense layers), not with depth.
+        """
+        runs: list[tuple[bool, int, int]] = []
+        for i in range(self.num_layers):
+            kind = self.is_moe_layer(i)
+            if runs and runs[-1][0] == kind:
+                runs[-1] = (kind, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((kind, i, 1))
+        return tuple(runs)
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- presets ------------------------------------------------------------------------------
+    @classmethod
+    def tiny(cls, **overrides) -> ModelConfig:
+        """A few-hundred-kilobyte MoE used by tests, demos and CPU runs."""
+        base = dict(
+            vocab_size=256,
+            d_model=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            num_experts=8,
+            top_k=2,
+            moe_ffn_dim=64,
+            qk_norm=True,
+            rope_theta=10000.0,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def qwen3_30b_a3b(cls, **overrides) -> ModelConfig:
+        """Qwen3-30B-A3B's architecture (48 layers, 128 experts, top-8)."""
+        base = dict(
+            vocab_size=151936,
+            d_model=2048,
+            num_layers=48,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            num_experts=128,
+            top_k=8,
+            moe_ffn_dim=768,
+            qk_norm=True,
+            norm_topk_prob=True,
+            rope_theta=1_000_000.0,
+            rms_eps=1e-6,
+            param_dtype="bfloat16",
+            dtype="bfloat16",
+            aux_loss_coef=0.001,
+        )
+        return cls(**{**base, **overrides})

@@ -1,0 +1,170 @@
+"""Norms, rotary embeddings, GQA attention and the explicit KV cache.
+
+Invariants:
+  * Attention masks are built from *positions*, not indices: a key is visible to a query when it
+    is a real token (`kv_positions >= 0`) at a position <= the query's (and within the sliding
+    window). Left padding, right padding and cached decoding therefore share one code path.
+  * The KV cache is a value (`KVCache`) passed in and returned; nothing is stored in the module.
+  * Softmax and norms are computed in float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from espo.model import config as config_lib
+
+# Finite mask value: a query row with no visible key (a padding query) gets a uniform, finite
+# distribution instead of NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer, written slot by slot.
+
+    Attributes:
+      k, v: [L, B, S, N, head_dim] in the compute dtype.
+      kv_positions: int32 [B, S], the position of the token in each slot, -1 for empty slots and
+        padding; attention visibility is derived from it.
+      index: int32 [], the next slot to write (all rows write the same slots).
+    """
+
+    k: Float[Array, "L B S N Dh"]
+    v: Float[Array, "L B S N Dh"]
+    kv_positions: Int[Array, "B S"]
+    index: Int[Array, ""]
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: config_lib.ModelConfig, *, batch: int, max_length: int) -> KVCache:
+    """An empty cache for `batch` rows of at most `max_length` tokens."""
+    shape = (cfg.num_layers, batch, max_length, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, cfg.jnp_dtype),
+        v=jnp.zeros(shape, cfg.jnp_dtype),
+        kv_positions=jnp.full((batch, max_length), -1, jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale, statistics in float32 (as Hugging Face)."""
+
+    eps: float
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def apply_rope(
+    x: Float[Array, "B T H Dh"], positions: Int[Array, "B T"], *, theta: float
+) -> Float[Array, "B T H Dh"]:
+    """Rotary embedding in the rotate-half layout used by Llama, Qwen and Mixtral."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)  # [B, T, 1, half]
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention_mask(
+    *,
+    q_positions: Int[Array, "B T"],
+    kv_positions: Int[Array, "B S"],
+    sliding_window: int | None,
+) -> Bool[Array, "B T S"]:
+    """Visibility of each key slot to each query: real, causal, within the window."""
+    q = q_positions[:, :, None]  # [B, T, 1]
+    k = kv_positions[:, None, :]  # [B, 1, S]
+    visible = (k >= 0) & (k <= q)
+    if sliding_window is not None:
+        visible &= q - k < sliding_window
+    return visible
+
+
+def _dense_init(fan_in: int):
+    return nn.initializers.normal(stddev=fan_in**-0.5)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional q/k RMSNorm (Qwen3) and RoPE."""
+
+    cfg: config_lib.ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Float[Array, "B T D"],
+        *,
+        positions: Int[Array, "B T"],
+        mask: Bool[Array, "B T S"],
+        kv: tuple[Array, Array] | None,
+        write_index: Int[Array, ""] | None,
+    ) -> tuple[Float[Array, "B T D"], tuple[Array, Array] | None]:
+        cfg = self.cfg
+        D, H, N, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pd, dt = cfg.jnp_param_dtype, cfg.jnp_dtype
+        wq = self.param("q_proj", _dense_init(D), (D, H, Dh), pd)
+        wk = self.param("k_proj", _dense_init(D), (D, N, Dh), pd)
+        wv = self.param("v_proj", _dense_init(D), (D, N, Dh), pd)
+        wo = self.param("o_proj", _dense_init(H * Dh), (H, Dh, D), pd)
+
+        q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))  # [B, T, H, Dh]
+        k = jnp.einsum("btd,dnk->btnk", x, wk.astype(dt))  # [B, T, N, Dh]
+        v = jnp.einsum("btd,dnk->btnk", x, wv.astype(dt))  # [B, T, N, Dh]
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_eps, pd, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_eps, pd, name="k_norm")(k)
+        q = apply_rope(q, positions, theta=cfg.rope_theta)
+        k = apply_rope(k, positions, theta=cfg.rope_theta)
+
+        if kv is None:
+            keys, values, new_kv = k, v, None
+        else:
+            cache_k, cache_v = kv  # [B, S, N, Dh]
+            start = (0, write_index, 0, 0)
+            keys = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)
+            values = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
+            new_kv = (keys, values)
+
+        B, T = x.shape[:2]
+        q = q.reshape(B, T, N, H // N, Dh)  # [B, T, N, G, Dh]: G query heads share a kv head
+        logits = jnp.einsum("btngk,bsnk->bngts", q, keys.astype(dt)).astype(jnp.float32)
+        logits = logits * (Dh**-0.5)  # [B, N, G, T, S]
+        logits = jnp.where(mask[:, None, None], logits, _MASK_VALUE)
+        probs = jax.nn.softmax(logits, axis=-1).astype(dt)  # [B, N, G, T, S]
+        out = jnp.einsum("bngts,bsnk->btngk", probs, values.astype(dt))  # [B, T, N, G, Dh]
+        out = out.reshape(B, T, H, Dh)
+        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_kv  # [B, T, D]
+
+
+class SwiGLU(nn.Module):
+    """Dense gated MLP: down(silu(x @ gate) * (x @ up))."""
+
+    cfg: config_lib.ModelConfig
+    ffn_dim: int
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        D, F = self.cfg.d_model, self.ffn_dim
+        pd, dt = self.cfg.jnp_param_dtype, self.cfg.jnp_dtype
+        w_gate = self.param("gate_proj", _dense_init(D), (D, F), pd)
+        w_up = self.param("up_proj", _dense_init(D), (D, F), pd)
+        w_down = self.param("down_proj", _dense_init(F), (F, D), pd)
+        h = jax.nn.silu(x @ w_gate.astype(dt)) * (x @ w_up.astype(dt))  # [..., F]
+        return h @ w_down.astype(dt)  # [..., D]

@@ -1,0 +1,34 @@
+"""espo: RL post-training of Mixture-of-Experts reasoning models in JAX/Flax."""
+
+import setuptools
+
+setuptools.setup(
+    name="espo",
+    version="0.1.0",
+    description="Each-prompt-matters RL (ESPO, zero-variance elimination, router replay) for MoE",
+    packages=setuptools.find_packages(include=["espo", "espo.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.7,<0.13",
+        "flax>=0.11,<0.13",
+        "optax>=0.2.5,<0.3",
+        "orbax-checkpoint>=0.11,<0.13",
+        "chex>=0.1.90,<0.2",
+        "jaxtyping>=0.3,<0.4",
+        "ml-collections>=1.0,<2",
+        "tensorflow-datasets>=4.9,<5",
+        "numpy>=1.26,<3",
+        "safetensors>=0.5,<1",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        # Parity tests against Hugging Face transformers. torch is pinned to the CPU build that
+        # ships with the machine image so that no multi-GB GPU build is pulled on a CPU host.
+        "test": [
+            "pytest>=8,<10",
+            "ruff>=0.8,<1",
+            "torch==2.13.0",
+            "transformers>=4.51,<6",
+        ],
+    },
+)
