@@ -1,0 +1,21 @@
+"""The pure-functional MoE transformer: config, init, forward, KV cache, HF interop."""
+
+from espo.model.config import ModelConfig, RoutingMode
+from espo.model.layers import KVCache, init_cache
+from espo.model.transformer import ModelAux, ModelOutput, forward, init, param_shapes
+
+__all__ = [
+    "KVCache",
+    "ModelAux",
+    "ModelConfig",
+    "ModelOutput",
+    "RoutingMode",
+    "forward",
+    "init",
+    "init_cache",
+    "param_shapes",
+]
+
+from espo.model.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+
+__all__ += ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint"]

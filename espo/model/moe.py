@@ -1,0 +1,269 @@
+"""The MoE block: router, routing modes (free / replay), dropless dispatch, experts.
+
+The block returns its routing decisions as values, `(out, MoeExtras)`, and the layer scan stacks
+them into a `RouterTrace`; nothing is computed and then dropped, nothing is `sow`n.
+
+Dispatch computes only the experts each token is routed to. Assignments (token, expert) are
+sorted by expert and handed to `expert_ffn`, a grouped matmul over contiguous expert groups:
+  * "ragged": `jax.lax.ragged_dot`, a grouped GEMM on GPU/TPU. (On CPU XLA lowers it to a masked
+    dense matmul over all experts, E/K times the work, so it is not the CPU default.)
+  * "blocked": each expert's group is padded to a multiple of a block size and every block is
+    multiplied by its expert's weights (a block-sparse matmul); at most E*(block-1) padded rows.
+`expert_ffn` sees only sorted rows, group sizes and the local expert weights, so an expert-
+parallel `shard_map` wraps it after an all-to-all without touching the routing code.
+`moe_reference` is the plain per-expert loop that the tests hold both against.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from espo.model import config as config_lib
+from espo.model import layers
+
+RoutingMode = config_lib.RoutingMode
+DISPATCH_IMPLS = ("auto", "ragged", "blocked")
+
+
+@flax.struct.dataclass
+class MoeExtras:
+    """Per-layer routing output of one MoE block (tokens flattened to M = B*T)."""
+
+    expert_ids: Int[Array, "M K"]
+    expert_weights: Float[Array, "M K"]
+    load_balancing_loss: Float[Array, ""]
+    z_loss: Float[Array, ""]
+    expert_load: Float[Array, "E"]  # fraction of (valid) assignments per expert
+
+
+def route(
+    router_logits: Float[Array, "M E"],
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    mode: RoutingMode,
+    replay_ids: Int[Array, "M K"] | None = None,
+    replay_weights: Float[Array, "M K"] | None = None,
+) -> tuple[Int[Array, "M K"], Float[Array, "M K"]]:
+    """Chosen experts and gate weights, float32, in Qwen3-MoE / Mixtral semantics.
+
+    Gates are the softmax over *all* experts (float32) gathered at the chosen ids, renormalised
+    to sum to one when `norm_topk_prob`. Under REPLAY_IDS that gather happens at the replayed ids
+    from the live logits, so it equals a softmax restricted to the replayed experts and the router
+    gets gradient; ids of -1 contribute zero weight.
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [M, E]
+    if mode is RoutingMode.FREE:
+        weights, ids = jax.lax.top_k(probs, top_k)  # [M, K]
+        ids = ids.astype(jnp.int32)
+        valid = jnp.ones_like(weights)
+    else:
+        if replay_ids is None:
+            raise ValueError(f"routing_mode={mode.name} needs `routing` (a RouterTrace)")
+        ids = jax.lax.stop_gradient(replay_ids).astype(jnp.int32)
+        valid = (ids >= 0).astype(jnp.float32)
+        if mode is RoutingMode.REPLAY_IDS_AND_WEIGHTS:
+            weights = jax.lax.stop_gradient(replay_weights).astype(jnp.float32) * valid
+            return ids, weights
+        weights = jnp.take_along_axis(probs, jnp.maximum(ids, 0), axis=-1) * valid  # [M, K]
+    if norm_topk_prob:
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
+    return ids, weights * valid
+
+
+def _swiglu_rows(h_gate, h_up):
+    return jax.nn.silu(h_gate) * h_up
+
+
+def expert_ffn(
+    xs: Float[Array, "R D"],
+    group_sizes: Int[Array, "E"],
+    w_gate: Float[Array, "E D F"],
+    w_up: Float[Array, "E D F"],
+    w_down: Float[Array, "E F D"],
+    *,
+    impl: str,
+) -> Float[Array, "R D"]:
+    """SwiGLU experts over rows sorted by expert (group e holds `group_sizes[e]` rows).
+
+    Rows past `sum(group_sizes)` belong to no expert and come back as zeros.
+    """
+    if impl == "ragged":
+        h = _swiglu_rows(
+            jax.lax.ragged_dot(xs, w_gate, group_sizes), jax.lax.ragged_dot(xs, w_up, group_sizes)
+        )  # [R, F]
+        return jax.lax.ragged_dot(h, w_down, group_sizes)  # [R, D]
+    if impl != "blocked":
+        raise ValueError(f"dispatch impl={impl!r} is invalid: one of {DISPATCH_IMPLS[1:]}")
+    R, D = xs.shape
+    E = w_gate.shape[0]
+    block = _block_size(R, E)
+    num_blocks = -(-(R + E * (block - 1)) // block)
+    padded_sizes = -(-group_sizes // block) * block  # [E]
+    padded_end = jnp.cumsum(padded_sizes)  # [E]
+    group_start = jnp.cumsum(group_sizes) - group_sizes  # [E]
+    # Row r of expert e (rank j in its group) goes to padded slot padded_start[e] + j.
+    row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(R), side="right")  # [R]
+    in_group = row_expert < E
+    row_expert_c = jnp.minimum(row_expert, E - 1)
+    dest = (padded_end - padded_sizes)[row_expert_c] + jnp.arange(R) - group_start[row_expert_c]
+    dest = jnp.where(in_group, dest, num_blocks * block)  # out of range: dropped
+    xp = jnp.zeros((num_blocks * block, D), xs.dtype).at[dest].set(xs, mode="drop")
+    xp = xp.reshape(num_blocks, block, D)  # [NB, b, D]
+    block_start = jnp.arange(num_blocks) * block
+    block_expert = jnp.searchsorted(padded_end, block_start, side="right")  # [NB]
+    block_expert = jnp.minimum(block_expert, E - 1)  # trailing all-padding blocks: zeros anyway
+    h = _swiglu_rows(
+        jnp.einsum("nbd,ndf->nbf", xp, w_gate[block_expert]),
+        jnp.einsum("nbd,ndf->nbf", xp, w_up[block_expert]),
+    )  # [NB, b, F]
+    yp = jnp.einsum("nbf,nfd->nbd", h, w_down[block_expert]).reshape(num_blocks * block, D)
+    return jnp.where(in_group[:, None], yp[jnp.minimum(dest, num_blocks * block - 1)], 0)
+
+
+def _block_size(rows: int, experts: int) -> int:
+    """A power of two near half the mean group size, in [8, 128]: padding <= ~50% of rows."""
+    mean = max(1, rows // experts)
+    block = 8
+    while block * 2 <= max(8, mean // 2) and block < 128:
+        block *= 2
+    return block
+
+
+def default_impl() -> str:
+    return "blocked" if jax.default_backend() == "cpu" else "ragged"
+
+
+def dispatch(
+    x: Float[Array, "M D"],
+    ids: Int[Array, "M K"],
+    weights: Float[Array, "M K"],
+    w_gate: Float[Array, "E D F"],
+    w_up: Float[Array, "E D F"],
+    w_down: Float[Array, "E F D"],
+    *,
+    impl: str = "auto",
+) -> Float[Array, "M D"]:
+    """sum_k weights[m, k] * expert_{ids[m, k]}(x[m]), computing only the chosen experts."""
+    impl = default_impl() if impl == "auto" else impl
+    M, K = ids.shape
+    E = w_gate.shape[0]
+    flat_ids = ids.reshape(M * K)  # [M*K]
+    sort_key = jnp.where(flat_ids >= 0, flat_ids, E)  # unrecorded (-1) assignments sort last
+    order = jnp.argsort(sort_key, stable=True)  # [M*K]
+    token_of_row = order // K  # [M*K]
+    group_sizes = jnp.bincount(sort_key, length=E + 1)[:E].astype(jnp.int32)  # [E]
+    ys = expert_ffn(x[token_of_row], group_sizes, w_gate, w_up, w_down, impl=impl)  # [M*K, D]
+    row_weights = weights.reshape(M * K)[order].astype(ys.dtype)  # [M*K]
+    return jnp.zeros_like(x).at[token_of_row].add(ys * row_weights[:, None])  # [M, D]
+
+
+def moe_reference(
+    x: Float[Array, "M D"],
+    ids: Int[Array, "M K"],
+    weights: Float[Array, "M K"],
+    w_gate: Float[Array, "E D F"],
+    w_up: Float[Array, "E D F"],
+    w_down: Float[Array, "E F D"],
+) -> Float[Array, "M D"]:
+    """The plain loop: every expert on every token, combined with its routing weight."""
+    out = jnp.zeros_like(x)
+    for e in range(w_gate.shape[0]):
+        combine = jnp.sum(jnp.where(ids == e, weights, 0.0), axis=-1)  # [M]
+        h = _swiglu_rows(x @ w_gate[e], x @ w_up[e]) @ w_down[e]  # [M, D]
+        out = out + combine[:, None].astype(x.dtype) * h
+    return out
+
+
+def router_losses(
+    router_logits: Float[Array, "M E"],
+    ids: Int[Array, "M K"],
+    token_mask: Float[Array, "M"],
+) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, "E"]]:
+    """Load-balancing loss, router z-loss and expert load over the real (unmasked) tokens.
+
+    Load balancing follows Hugging Face's `load_balancing_loss_func` for one layer:
+    E * sum_e f_e * P_e with f_e = assignments to e per token and P_e = mean router probability,
+    so a perfectly balanced router scores K. z-loss = mean logsumexp(logits)^2 (ST-MoE).
+    """
+    E = router_logits.shape[-1]
+    logits = router_logits.astype(jnp.float32)
+    num_tokens = jnp.maximum(jnp.sum(token_mask), 1.0)
+    probs = jax.nn.softmax(logits, axis=-1)  # [M, E]
+    one_hot = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.float32), axis=1)  # [M, E]; -1 -> zeros
+    assignments = jnp.sum(one_hot * token_mask[:, None], axis=0)  # [E]
+    tokens_per_expert = assignments / num_tokens  # [E]
+    prob_per_expert = jnp.sum(probs * token_mask[:, None], axis=0) / num_tokens  # [E]
+    lb_loss = E * jnp.sum(tokens_per_expert * prob_per_expert)
+    z = jax.nn.logsumexp(logits, axis=-1)  # [M]
+    z_loss = jnp.sum(z * z * token_mask) / num_tokens
+    load = assignments / jnp.maximum(jnp.sum(assignments), 1.0)
+    return lb_loss, z_loss, load
+
+
+class MoeBlock(nn.Module):
+    """Router + routed SwiGLU experts (+ optional shared expert)."""
+
+    cfg: config_lib.ModelConfig
+    mode: RoutingMode = RoutingMode.FREE
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Float[Array, "B T D"],
+        *,
+        token_mask: Float[Array, "B T"],
+        replay_ids: Int[Array, "B T K"] | None,
+        replay_weights: Float[Array, "B T K"] | None,
+    ) -> tuple[Float[Array, "B T D"], MoeExtras]:
+        cfg = self.cfg
+        D, E, F, K = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim, cfg.top_k
+        pd, dt = cfg.jnp_param_dtype, cfg.jnp_dtype
+        init_d, init_f = layers._dense_init(D), layers._dense_init(F)
+        w_router = self.param("router", init_d, (D, E), pd)
+        w_gate = self.param("gate_proj", init_d, (E, D, F), pd)
+        w_up = self.param("up_proj", init_d, (E, D, F), pd)
+        w_down = self.param("down_proj", init_f, (E, F, D), pd)
+
+        B, T = x.shape[:2]
+        xf = x.reshape(B * T, D)  # [M, D]
+        # Router logits in float32 whatever the compute dtype: routing decisions are sensitive.
+        logits = xf.astype(jnp.float32) @ w_router.astype(jnp.float32)  # [M, E]
+        flat = lambda a: None if a is None else a.reshape(B * T, K)
+        ids, weights = route(
+            logits,
+            top_k=K,
+            norm_topk_prob=cfg.norm_topk_prob,
+            mode=self.mode,
+            replay_ids=flat(replay_ids),
+            replay_weights=flat(replay_weights),
+        )  # [M, K] each
+        out = dispatch(
+            xf,
+            ids,
+            weights.astype(dt),
+            w_gate.astype(dt),
+            w_up.astype(dt),
+            w_down.astype(dt),
+            impl=self.impl,
+        )  # [M, D]
+        if cfg.shared_expert_ffn_dim:
+            shared = layers.SwiGLU(cfg, cfg.shared_expert_ffn_dim, name="shared_expert")(xf)
+            if cfg.shared_expert_gate:
+                w_sg = self.param("shared_expert_gate", init_d, (D, 1), pd)
+                shared = jax.nn.sigmoid(xf @ w_sg.astype(dt)) * shared  # [M, D]
+            out = out + shared
+        lb_loss, z_loss, load = router_losses(logits, ids, token_mask.reshape(B * T))
+        extras = MoeExtras(
+            expert_ids=ids,
+            expert_weights=weights,
+            load_balancing_loss=lb_loss,
+            z_loss=z_loss,
+            expert_load=load,
+        )
+        return out.reshape(B, T, D), extras

@@ -1,0 +1,255 @@
+"""The decoder: `init(cfg, key) -> params` and the pure `forward(cfg, params, tokens, ...)`.
+
+Layers are grouped into maximal runs of one kind (MoE or dense MLP) and every run is one
+`nn.scan`, so compile time does not grow with depth. Each scanned block returns its new KV slice
+and its routing (`MoeExtras`) as scan outputs, which `forward` stacks into a `KVCache` and a
+`RouterTrace` [B, L, T, K] (dense layers hold -1 / 0). Params are a plain nested dict.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from espo import types
+from espo.model import config as config_lib
+from espo.model import layers, moe
+
+RoutingMode = config_lib.RoutingMode
+
+
+@flax.struct.dataclass
+class ModelAux:
+    """Router statistics of a forward pass (means over MoE layers, real tokens only)."""
+
+    load_balancing_loss: Float[Array, ""]
+    z_loss: Float[Array, ""]
+    expert_load: Float[Array, "L E"]  # fraction of assignments per expert; 0 for dense layers
+    total: Float[Array, ""]  # aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    logits: Float[Array, "B T V"]  # float32
+    cache: layers.KVCache | None
+    router: types.RouterTrace
+    aux: ModelAux
+
+
+def run_name(index: int) -> str:
+    """Parameter-tree name of the `index`-th layer run (see `ModelConfig.layer_runs`)."""
+    return f"blocks_{index}"
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp_or_moe(norm(x))."""
+
+    cfg: config_lib.ModelConfig
+    is_moe: bool
+    mode: RoutingMode
+    impl: str
+
+    @nn.compact
+    def __call__(self, x, layer_in, ctx):
+        cfg = self.cfg
+        h = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="input_norm")(x)
+        a, new_kv = layers.Attention(cfg, name="attn")(
+            h,
+            positions=ctx["positions"],
+            mask=ctx["mask"],
+            kv=layer_in["kv"],
+            write_index=ctx["write_index"],
+        )
+        x = x + a
+        h = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="post_attn_norm")(x)
+        if self.is_moe:
+            m, extras = moe.MoeBlock(cfg, self.mode, self.impl, name="moe")(
+                h,
+                token_mask=ctx["token_mask"],
+                replay_ids=layer_in["replay_ids"],
+                replay_weights=layer_in["replay_weights"],
+            )
+        else:
+            m, extras = layers.SwiGLU(cfg, cfg.dense_ffn_dim, name="mlp")(h), None
+        return x + m, (new_kv, extras)
+
+
+class Transformer(nn.Module):
+    cfg: config_lib.ModelConfig
+    mode: RoutingMode = RoutingMode.FREE
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, tokens, *, ctx, kv, routing):
+        """kv: (k, v) [L, B, S, N, Dh] or None; routing: (ids, weights) [L, B, T, K] or None."""
+        cfg = self.cfg
+        dt = cfg.jnp_dtype
+        embed = self.param(
+            "embed", nn.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.d_model),
+            cfg.jnp_param_dtype,
+        )  # fmt: skip
+        x = embed.astype(dt)[tokens]  # [B, T, D]
+        run_kv, run_extras = [], []
+        for r, (is_moe, start, length) in enumerate(cfg.layer_runs()):
+            take = lambda a, s=start, n=length: None if a is None else a[s : s + n]
+            layer_in = {
+                "kv": None if kv is None else (take(kv[0]), take(kv[1])),
+                "replay_ids": take(routing[0]) if (is_moe and routing) else None,
+                "replay_weights": take(routing[1]) if (is_moe and routing) else None,
+            }
+            scanned = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast),
+                length=length,
+            )
+            x, (new_kv, extras) = scanned(cfg, is_moe, self.mode, self.impl, name=run_name(r))(
+                x, layer_in, ctx
+            )
+            run_kv.append(new_kv)
+            run_extras.append((is_moe, length, extras))
+        x = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = x @ embed.astype(dt).T  # [B, T, V]
+        else:
+            w_out = self.param(
+                "lm_head", layers._dense_init(cfg.d_model), (cfg.d_model, cfg.vocab_size),
+                cfg.jnp_param_dtype,
+            )  # fmt: skip
+            logits = x @ w_out.astype(dt)  # [B, T, V]
+        new_kv = None
+        if kv is not None:
+            new_kv = tuple(jnp.concatenate([k[i] for k in run_kv], axis=0) for i in range(2))
+        return logits.astype(jnp.float32), new_kv, run_extras
+
+
+def init(cfg: config_lib.ModelConfig, key: jax.Array) -> dict:
+    """Random parameters (a plain nested dict) for `cfg`."""
+    model = Transformer(cfg)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    ctx = _context(cfg, tokens, positions=None, attention_mask=None, cache=None)
+    return jax.jit(lambda k: model.init(k, tokens, ctx=ctx, kv=None, routing=None)["params"])(key)
+
+
+def param_shapes(cfg: config_lib.ModelConfig) -> dict:
+    """The parameter tree of `cfg` as `jax.ShapeDtypeStruct`s, allocating nothing."""
+    return jax.eval_shape(functools.partial(init, cfg), jax.random.key(0))
+
+
+def _context(cfg, tokens, *, positions, attention_mask, cache):
+    """Positions, visibility mask and cache bookkeeping shared by every layer."""
+    B, T = tokens.shape
+    token_mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
+    if positions is None:
+        offset = 0 if cache is None else jnp.max(cache.kv_positions, axis=1, keepdims=True) + 1
+        positions = offset + jnp.maximum(jnp.cumsum(token_mask, axis=1) - 1, 0)  # [B, T]
+    positions = positions.astype(jnp.int32)
+    kv_positions = jnp.where(token_mask, positions, -1)  # [B, T]
+    write_index = None
+    if cache is not None:
+        write_index = cache.index
+        kv_positions = jax.lax.dynamic_update_slice(
+            cache.kv_positions, kv_positions, (0, cache.index)
+        )  # [B, S]
+    mask = layers.attention_mask(
+        q_positions=positions, kv_positions=kv_positions, sliding_window=cfg.sliding_window
+    )  # [B, T, S]
+    return {
+        "positions": positions,
+        "mask": mask,
+        "token_mask": token_mask.astype(jnp.float32),
+        "write_index": write_index,
+        "kv_positions": kv_positions,
+    }
+
+
+def forward(
+    cfg: config_lib.ModelConfig,
+    params: dict,
+    tokens: Int[Array, "B T"],
+    *,
+    positions: Int[Array, "B T"] | None = None,
+    attention_mask: Bool[Array, "B T"] | None = None,
+    cache: layers.KVCache | None = None,
+    routing: types.RouterTrace | None = None,
+    routing_mode: RoutingMode = RoutingMode.FREE,
+    dispatch_impl: str = "auto",
+) -> ModelOutput:
+    """Logits, updated cache, router trace and router statistics for `tokens`.
+
+    Args:
+      tokens: int [B, T].
+      positions: int [B, T]; by default the count of real tokens before each one (continuing
+        after the cache's last position), which handles left padding.
+      attention_mask: bool [B, T]; False marks padding, which no query attends to.
+      cache: a `KVCache`; the T tokens are written at slots [cache.index, cache.index + T).
+      routing: a `RouterTrace` [B, L, T, K] to replay (required unless routing_mode is FREE).
+      routing_mode: static; see `RoutingMode`.
+      dispatch_impl: static; "auto" (blocked on CPU, ragged elsewhere), "ragged" or "blocked".
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    B, T = tokens.shape
+    K, L = cfg.top_k, cfg.num_layers
+    if routing_mode is not RoutingMode.FREE:
+        want = (B, L, T, K)
+        if routing is None or routing.expert_ids.shape != want:
+            got = None if routing is None else routing.expert_ids.shape
+            raise ValueError(
+                f"routing_mode={routing_mode.name} needs routing.expert_ids of shape "
+                f"[B, L, T, K]={want}, got {got}"
+            )
+    ctx = _context(cfg, tokens, positions=positions, attention_mask=attention_mask, cache=cache)
+    kv = None if cache is None else (cache.k, cache.v)
+    replay = None
+    if routing is not None and routing_mode is not RoutingMode.FREE:
+        to_layer_major = functools.partial(jnp.swapaxes, axis1=0, axis2=1)  # [L, B, T, K]
+        replay = (to_layer_major(routing.expert_ids), to_layer_major(routing.expert_weights))
+    model = Transformer(cfg, routing_mode, dispatch_impl)
+    layer_ctx = {k: v for k, v in ctx.items() if k != "kv_positions"}
+    logits, new_kv, run_extras = model.apply(
+        {"params": params}, tokens, ctx=layer_ctx, kv=kv, routing=replay
+    )
+    new_cache = None
+    if cache is not None:
+        new_cache = layers.KVCache(
+            k=new_kv[0], v=new_kv[1], kv_positions=ctx["kv_positions"], index=cache.index + T
+        )
+    trace, aux = _collect_routing(cfg, run_extras, batch=B, length=T)
+    return ModelOutput(logits=logits, cache=new_cache, router=trace, aux=aux)
+
+
+def _collect_routing(cfg, run_extras, *, batch, length):
+    """Stack per-run `MoeExtras` into a RouterTrace [B, L, T, K] and layer-averaged losses."""
+    K, E = cfg.top_k, cfg.num_experts
+    ids, weights, loads, lb, z = [], [], [], [], []
+    for is_moe, n, extras in run_extras:
+        if is_moe:
+            ids.append(extras.expert_ids.reshape(n, batch, length, K))
+            weights.append(extras.expert_weights.reshape(n, batch, length, K))
+            loads.append(extras.expert_load)
+            lb.append(extras.load_balancing_loss)
+            z.append(extras.z_loss)
+        else:
+            ids.append(jnp.full((n, batch, length, K), -1, jnp.int32))
+            weights.append(jnp.zeros((n, batch, length, K), jnp.float32))
+            loads.append(jnp.zeros((n, E), jnp.float32))
+    trace = types.RouterTrace(
+        expert_ids=jnp.swapaxes(jnp.concatenate(ids, axis=0), 0, 1),
+        expert_weights=jnp.swapaxes(jnp.concatenate(weights, axis=0), 0, 1),
+    )
+    lb_loss = jnp.mean(jnp.concatenate(lb)) if lb else jnp.zeros((), jnp.float32)
+    z_loss = jnp.mean(jnp.concatenate(z)) if z else jnp.zeros((), jnp.float32)
+    aux = ModelAux(
+        load_balancing_loss=lb_loss,
+        z_loss=z_loss,
+        expert_load=jnp.concatenate(loads, axis=0),
+        total=cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss,
+    )
+    return trace, aux
