@@ -20,6 +20,7 @@ setuptools.setup(
         "numpy>=1.26,<3",
         "safetensors>=0.5,<1",
         "tqdm>=4.66,<5",
+        "math-verify[antlr4_13_2]>=0.9,<0.10",
     ],
     extras_require={
         # Parity tests against Hugging Face transformers. torch is pinned to the CPU build that

@@ -41,8 +41,10 @@ class CheckpointError(ValueError):
 def config_from_hf(hf: dict, *, source: str = "config.json") -> tuple[config_lib.ModelConfig, str]:
     """(ModelConfig, architecture) from a Hugging Face config dict."""
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}.get(
-        hf.get("model_type")
+    arch = (
+        archs[0]
+        if archs
+        else {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}.get(hf.get("model_type"))
     )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
@@ -191,11 +193,12 @@ def _transpose(a):
 
 def _layer_specs(cfg: config_lib.ModelConfig, arch: str, is_moe: bool) -> list[_Spec]:
     D, H, N, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    heads_in = lambda n: (lambda a: np.ascontiguousarray(a.T.reshape(D, n, Dh)))
+    heads_in = lambda n: lambda a: np.ascontiguousarray(a.T.reshape(D, n, Dh))
     heads_out = lambda a: np.ascontiguousarray(a.reshape(D, -1).T)
     attn = "model.layers.{layer}.self_attn."
     specs = [
-        _Spec(("input_norm", "scale"), "model.layers.{layer}.input_layernorm.weight", *[_identity] * 2),
+        _Spec(("input_norm", "scale"), "model.layers.{layer}.input_layernorm.weight",
+              _identity, _identity),
         _Spec(("post_attn_norm", "scale"), "model.layers.{layer}.post_attention_layernorm.weight",
               _identity, _identity),
         _Spec(("attn", "q_proj"), attn + "q_proj.weight", heads_in(H), heads_out),

@@ -37,7 +37,7 @@ class KVCache:
     k: Float[Array, "L B S N Dh"]
     v: Float[Array, "L B S N Dh"]
     kv_positions: Int[Array, "B S"]
-    index: Int[Array, ""]
+    index: Int[Array, " "]
 
     @property
     def max_length(self) -> int:
@@ -114,7 +114,7 @@ class Attention(nn.Module):
         positions: Int[Array, "B T"],
         mask: Bool[Array, "B T S"],
         kv: tuple[Array, Array] | None,
-        write_index: Int[Array, ""] | None,
+        write_index: Int[Array, " "] | None,
     ) -> tuple[Float[Array, "B T D"], tuple[Array, Array] | None]:
         cfg = self.cfg
         D, H, N, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

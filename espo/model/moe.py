@@ -35,9 +35,9 @@ class MoeExtras:
 
     expert_ids: Int[Array, "M K"]
     expert_weights: Float[Array, "M K"]
-    load_balancing_loss: Float[Array, ""]
-    z_loss: Float[Array, ""]
-    expert_load: Float[Array, "E"]  # fraction of (valid) assignments per expert
+    load_balancing_loss: Float[Array, " "]
+    z_loss: Float[Array, " "]
+    expert_load: Float[Array, " E"]  # fraction of (valid) assignments per expert
 
 
 def route(
@@ -81,7 +81,7 @@ def _swiglu_rows(h_gate, h_up):
 
 def expert_ffn(
     xs: Float[Array, "R D"],
-    group_sizes: Int[Array, "E"],
+    group_sizes: Int[Array, " E"],
     w_gate: Float[Array, "E D F"],
     w_up: Float[Array, "E D F"],
     w_down: Float[Array, "E F D"],
@@ -182,8 +182,8 @@ def moe_reference(
 def router_losses(
     router_logits: Float[Array, "M E"],
     ids: Int[Array, "M K"],
-    token_mask: Float[Array, "M"],
-) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, "E"]]:
+    token_mask: Float[Array, " M"],
+) -> tuple[Float[Array, " "], Float[Array, " "], Float[Array, " E"]]:
     """Load-balancing loss, router z-loss and expert load over the real (unmasked) tokens.
 
     Load balancing follows Hugging Face's `load_balancing_loss_func` for one layer:

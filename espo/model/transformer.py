@@ -27,10 +27,10 @@ RoutingMode = config_lib.RoutingMode
 class ModelAux:
     """Router statistics of a forward pass (means over MoE layers, real tokens only)."""
 
-    load_balancing_loss: Float[Array, ""]
-    z_loss: Float[Array, ""]
+    load_balancing_loss: Float[Array, " "]
+    z_loss: Float[Array, " "]
     expert_load: Float[Array, "L E"]  # fraction of assignments per expert; 0 for dense layers
-    total: Float[Array, ""]  # aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss
+    total: Float[Array, " "]  # aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss
 
 
 @flax.struct.dataclass

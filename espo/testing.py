@@ -1,0 +1,89 @@
+"""Shared test fixtures: tiny random Hugging Face MoE checkpoints and small helpers.
+
+Importing this module needs only espo; building Hugging Face models needs the `test` extras
+(torch, transformers), imported lazily. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+
+from espo.model import hf
+
+
+def make_hf_checkpoint(
+    path: str | pathlib.Path,
+    *,
+    architecture: str = hf.QWEN3_MOE,
+    seed: int = 0,
+    init_std: float = 0.2,
+    **overrides,
+) -> pathlib.Path:
+    """Save a random tiny Qwen3-MoE or Mixtral model created by transformers to `path`.
+
+    `init_std` is large enough (vs Hugging Face's 0.02) that logits and router decisions are far
+    from degenerate, so parity checks are sensitive.
+    """
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts_per_tok=2,
+        initializer_range=init_std,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+    )
+    if architecture == hf.QWEN3_MOE:
+        kw = common | dict(num_experts=6, moe_intermediate_size=16, intermediate_size=24)
+        config_cls, model_cls = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+    elif architecture == hf.MIXTRAL:
+        kw = common | dict(num_local_experts=6, intermediate_size=16, sliding_window=None)
+        config_cls, model_cls = transformers.MixtralConfig, transformers.MixtralForCausalLM
+    else:
+        raise ValueError(f"architecture={architecture!r}; valid: {hf.SUPPORTED_ARCHITECTURES}")
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**(kw | overrides))).eval()
+    path = pathlib.Path(path)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_forward(path, tokens: np.ndarray, *, attention_mask=None, position_ids=None):
+    """(float32 logits [B, T, V], top-k expert ids per layer {layer: [B*T, K]}) from transformers.
+
+    The expert ids are what transformers' own router modules return, captured with hooks.
+    """
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    picked: dict[int, np.ndarray] = {}
+
+    def hook(layer):
+        def fn(_module, _inputs, outputs):
+            picked[layer] = outputs[2].numpy()  # (router_logits, router_scores, router_indices)
+
+        return fn
+
+    for i, layer in enumerate(model.model.layers):
+        block = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+        gate = getattr(block, "gate", None)
+        if gate is not None and not isinstance(gate, torch.nn.Linear):
+            gate.register_forward_hook(hook(i))
+    as_t = lambda a: None if a is None else torch.as_tensor(np.asarray(a))
+    with torch.no_grad():
+        out = model(
+            input_ids=as_t(tokens),
+            attention_mask=as_t(attention_mask),
+            position_ids=as_t(position_ids),
+        )
+    del transformers
+    return out.logits.float().numpy(), picked

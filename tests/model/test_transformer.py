@@ -1,0 +1,134 @@
+"""The pure forward: cached decode, router replay, padding, and real-size shapes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo import model, types
+from espo.model import ModelConfig, RoutingMode
+
+CFG = ModelConfig.tiny(num_layers=3, dense_layers=(1,), dense_ffn_dim=48, norm_topk_prob=False)
+forward = jax.jit(
+    functools.partial(model.forward, CFG), static_argnames=("routing_mode", "dispatch_impl")
+)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init(CFG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(1), (2, 12), 0, CFG.vocab_size)
+
+
+def test_shapes_and_dense_layers_in_trace(params, tokens):
+    out = forward(params, tokens)
+    assert out.logits.shape == (2, 12, CFG.vocab_size) and out.logits.dtype == jnp.float32
+    assert out.router.expert_ids.shape == (2, 3, 12, CFG.top_k)
+    assert (out.router.expert_ids[:, 1] == -1).all() and (
+        out.router.expert_weights[:, 1] == 0
+    ).all()
+    assert (out.router.expert_ids[:, np.array([0, 2])] >= 0).all()
+    np.testing.assert_allclose(out.aux.expert_load[np.array([0, 2])].sum(-1), 1.0, rtol=1e-6)
+    assert out.cache is None
+
+
+def test_dispatch_impls_agree(params, tokens):
+    blocked = forward(params, tokens, dispatch_impl="blocked")
+    ragged = forward(params, tokens, dispatch_impl="ragged")
+    np.testing.assert_allclose(blocked.logits, ragged.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_then_decode_equals_full_forward(params, tokens):
+    full = forward(params, tokens)
+    prefill = 5
+    cache = model.init_cache(CFG, batch=2, max_length=16)
+    out = forward(params, tokens[:, :prefill], cache=cache)
+    logits, ids = [out.logits], [out.router.expert_ids]
+    cache = out.cache
+    for t in range(prefill, tokens.shape[1]):
+        step = forward(params, tokens[:, t : t + 1], cache=cache)
+        cache = step.cache
+        logits.append(step.logits)
+        ids.append(step.router.expert_ids)
+    np.testing.assert_allclose(jnp.concatenate(logits, 1), full.logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(jnp.concatenate(ids, 2), full.router.expert_ids)
+    assert int(cache.index) == tokens.shape[1]
+
+
+def test_padding_does_not_change_real_tokens(params, tokens):
+    # Left-pad the first row by 3: its real tokens must see exactly what they saw unpadded.
+    row = tokens[0, :9]
+    padded = jnp.concatenate([jnp.zeros(3, row.dtype), row])[None]
+    mask = jnp.arange(12)[None] >= 3
+    got = forward(params, padded, attention_mask=mask)
+    want = forward(params, row[None])
+    np.testing.assert_allclose(got.logits[0, 3:], want.logits[0], atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(got.router.expert_ids[0, :, 3:], want.router.expert_ids[0])
+
+
+def test_self_replay_reproduces_logits(params, tokens):
+    free = forward(params, tokens)
+    for mode in (RoutingMode.REPLAY_IDS, RoutingMode.REPLAY_IDS_AND_WEIGHTS):
+        replay = forward(params, tokens, routing=free.router, routing_mode=mode)
+        np.testing.assert_allclose(replay.logits, free.logits, atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(replay.router.expert_ids, free.router.expert_ids)
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def _router_grad_norm(params, tokens, trace, mode):
+    def loss(p):
+        out = model.forward(CFG, p, tokens, routing=trace, routing_mode=mode)
+        return jnp.mean(jax.nn.log_softmax(out.logits)[..., 0])
+
+    grads = jax.grad(loss)(params)
+    return jnp.linalg.norm(grads["blocks_0"]["moe"]["router"])
+
+
+def test_router_gradient_only_under_replay_ids(params, tokens):
+    trace = forward(params, tokens).router
+    assert float(_router_grad_norm(params, tokens, trace, RoutingMode.REPLAY_IDS)) > 1e-6
+    assert float(_router_grad_norm(params, tokens, trace, RoutingMode.REPLAY_IDS_AND_WEIGHTS)) == 0
+
+
+def test_replaying_a_different_trace_routes_exactly_as_given(params, tokens):
+    free = forward(params, tokens)
+    # Shift every expert id by one: a routing the router itself would not choose.
+    shifted_ids = jnp.where(
+        free.router.expert_ids >= 0, (free.router.expert_ids + 1) % CFG.num_experts, -1
+    )
+    weights = jnp.where(shifted_ids >= 0, 0.5, 0.0)
+    trace = types.RouterTrace(expert_ids=shifted_ids, expert_weights=weights)
+    out = forward(params, tokens, routing=trace, routing_mode=RoutingMode.REPLAY_IDS)
+    np.testing.assert_array_equal(out.router.expert_ids, shifted_ids)
+    assert float(jnp.max(jnp.abs(out.logits - free.logits))) > 1e-3
+    # The recomputed gates are the router's own softmax gathered at the replayed ids.
+    given = forward(params, tokens, routing=trace, routing_mode=RoutingMode.REPLAY_IDS_AND_WEIGHTS)
+    np.testing.assert_array_equal(given.router.expert_weights, weights)
+    assert not np.allclose(out.router.expert_weights, weights)
+
+
+def test_replay_needs_a_trace_of_the_right_shape(params, tokens):
+    with pytest.raises(ValueError, match=r"\[B, L, T, K\]=\(2, 3, 12, 2\)"):
+        model.forward(CFG, params, tokens, routing_mode=RoutingMode.REPLAY_IDS)
+    small = types.RouterTrace.empty(batch=2, num_layers=3, length=4, top_k=2)
+    with pytest.raises(ValueError, match="got \\(2, 3, 4, 2\\)"):
+        model.forward(CFG, params, tokens, routing=small, routing_mode=RoutingMode.REPLAY_IDS)
+
+
+def test_qwen3_30b_a3b_shapes_without_allocation():
+    cfg = ModelConfig.qwen3_30b_a3b()
+    shapes = model.param_shapes(cfg)
+    num_params = sum(np.prod(x.shape) for x in jax.tree.leaves(shapes))
+    assert 30.0e9 < num_params < 31.0e9  # Qwen3-30B-A3B has 30.5B parameters
+    assert shapes["blocks_0"]["moe"]["gate_proj"].shape == (48, 128, 2048, 768)
+    tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+    out = jax.eval_shape(functools.partial(model.forward, cfg), shapes, tokens)
+    assert out.logits.shape == (2, 64, 151936)
+    assert out.router.expert_ids.shape == (2, 48, 64, 8)
+    assert out.aux.expert_load.shape == (48, 128)
