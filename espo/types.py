@@ -50,3 +50,29 @@ class RouterTrace:
     def concat_time(self, other: RouterTrace) -> RouterTrace:
         """This trace followed by `other` along time."""
         return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=2), self, other)
+
+
+@flax.struct.dataclass
+class LossOutput:
+    """A scalar loss kept as a ratio of sums, so that micro-batches accumulate exactly.
+
+    Attributes:
+      numerator: float32 [], the sum over this batch's units (tokens or sequences, depending on
+        the aggregation) of each unit's loss.
+      denominator: float32 [], the number of units (a count; 0 for an all-padding batch).
+      metrics: float32 [] scalars by name; `espo.losses` documents what each one means and how to
+        combine them across micro-batches.
+
+    Over micro-batches k, the full-batch loss is sum_k numerator_k / sum_k denominator_k, which
+    is what a gradient-accumulation loop should compute (not the mean of the `loss` values).
+    """
+
+    numerator: Float[Array, " "]
+    denominator: Float[Array, " "]
+    metrics: dict[str, Float[Array, " "]]
+
+    @property
+    def loss(self) -> Float[Array, " "]:
+        """numerator / denominator; 0 (not NaN) when the denominator is 0 (nothing to average)."""
+        safe_denominator = jnp.where(self.denominator > 0, self.denominator, 1.0)
+        return self.numerator / safe_denominator
