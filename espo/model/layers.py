@@ -43,6 +43,15 @@ class KVCache:
     def max_length(self) -> int:
         return self.k.shape[2]
 
+    def repeat(self, n: int) -> KVCache:
+        """Each row repeated n times, adjacent (row b -> rows b*n .. b*n + n - 1)."""
+        return KVCache(
+            k=jnp.repeat(self.k, n, axis=1),
+            v=jnp.repeat(self.v, n, axis=1),
+            kv_positions=jnp.repeat(self.kv_positions, n, axis=0),
+            index=self.index,
+        )
+
 
 def init_cache(cfg: config_lib.ModelConfig, *, batch: int, max_length: int) -> KVCache:
     """An empty cache for `batch` rows of at most `max_length` tokens."""

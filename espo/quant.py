@@ -1,0 +1,153 @@
+"""FP8 (e4m3fn) weight quantization for the rollout copy of the parameters.
+
+`quantize_fp8(params)` replaces every large matmul weight (attention q/k/v/o projections, routed
+and shared expert SwiGLU weights, dense MLP weights) by an `Fp8Tensor`: float8_e4m3fn values plus
+float32 scales, per output channel or per (block x block) tile of the [in, out] view. Everything
+else stays in `keep_dtype` (bfloat16 by default): embeddings and the LM head (they set the sampled
+log-probs directly), norms, and the router (routing decisions are the most precision-sensitive
+part of a MoE; router replay exists because they flip).
+
+`Fp8Tensor.astype(dtype)` dequantizes, and the model reads every weight as `w.astype(dtype)`, so
+quantized params go through `espo.model.forward` and the sampler transparently. On CPU the matmul
+then runs on the dequantized (bf16/f32) weights with float32 accumulation, the fastest CPU path;
+native FP8 GEMMs (Hopper) need FP8 activations too and are not used here.
+
+Casting saturates: values are clipped to +-448 before the cast, because a plain cast to e4m3fn
+turns overflow into NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+GRANULARITIES = ("channel", "block")
+
+# Leaf name -> (number of leading "in" axes after the stacked axes, number of "out" axes).
+_MATMUL_AXES = {
+    "q_proj": (1, 2),  # [.., D, H, Dh]
+    "k_proj": (1, 2),  # [.., D, N, Dh]
+    "v_proj": (1, 2),
+    "o_proj": (2, 1),  # [.., H, Dh, D]
+    "gate_proj": (1, 1),  # [.., (E,) D, F]
+    "up_proj": (1, 1),
+    "down_proj": (1, 1),  # [.., (E,) F, D]
+}
+
+
+@flax.struct.dataclass
+class Fp8Tensor:
+    """An FP8 weight: `values` in the original shape, `scales` [*lead, in_blocks, out_blocks]."""
+
+    values: jax.Array
+    scales: jax.Array
+    num_in_axes: int = flax.struct.field(pytree_node=False)
+    num_out_axes: int = flax.struct.field(pytree_node=False)
+    block: int = flax.struct.field(pytree_node=False)  # 0 = per output channel
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scales.nbytes
+
+    def astype(self, dtype) -> jax.Array:
+        """The dequantized weight: values * scales in float32, then cast to `dtype`."""
+        lead, rows, cols = _canonical_shape(self.shape, self.num_in_axes, self.num_out_axes)
+        v = self.values.reshape(*lead, rows, cols).astype(jnp.float32)
+        s = self.scales
+        if self.block:
+            s = jnp.repeat(jnp.repeat(s, self.block, axis=-2), self.block, axis=-1)
+            s = s[..., :rows, :cols]
+        return (v * s).astype(dtype).reshape(self.shape)
+
+
+def _canonical_shape(shape, num_in, num_out):
+    lead = shape[: len(shape) - num_in - num_out]
+    rows = math.prod(shape[len(lead) : len(lead) + num_in])
+    cols = math.prod(shape[len(shape) - num_out :])
+    return lead, rows, cols
+
+
+def quantize_tensor(
+    w: jax.Array, *, num_in_axes: int, num_out_axes: int, granularity: str, block_size: int = 128
+) -> Fp8Tensor:
+    """Quantize one weight to FP8 with per-channel or per-block absmax scales."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity={granularity!r} is invalid; valid: {GRANULARITIES}")
+    if granularity == "block" and block_size < 1:
+        raise ValueError(f"block_size={block_size} is invalid: >= 1")
+    lead, rows, cols = _canonical_shape(w.shape, num_in_axes, num_out_axes)
+    x = jnp.asarray(w, jnp.float32).reshape(*lead, rows, cols)
+    if granularity == "channel":
+        amax = jnp.max(jnp.abs(x), axis=-2, keepdims=True)  # [*lead, 1, cols]
+        block = 0
+    else:
+        block = block_size
+        nr, nc = -(-rows // block), -(-cols // block)
+        pad = [(0, 0)] * len(lead) + [(0, nr * block - rows), (0, nc * block - cols)]
+        tiles = jnp.pad(jnp.abs(x), pad).reshape(*lead, nr, block, nc, block)
+        amax = jnp.max(tiles, axis=(-3, -1))  # [*lead, nr, nc]
+    # An all-zero channel / block gets scale 1 (amax / 448 could be subnormal: flushed to 0).
+    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    full = scales if not block else jnp.repeat(jnp.repeat(scales, block, -2), block, -1)
+    full = full[..., :rows, :cols] if block else full
+    values = jnp.clip(x / full, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).reshape(w.shape)
+    return Fp8Tensor(
+        values=values,
+        scales=scales.astype(jnp.float32),
+        num_in_axes=num_in_axes,
+        num_out_axes=num_out_axes,
+        block=block,
+    )
+
+
+def quantize_fp8(
+    params: dict,
+    *,
+    granularity: str = "channel",
+    block_size: int = 128,
+    keep_dtype: str = "bfloat16",
+) -> dict:
+    """A copy of `params` with every large matmul weight as an `Fp8Tensor` (see module doc)."""
+
+    def convert(path, leaf):
+        names = [getattr(k, "key", str(k)) for k in path]
+        axes = _MATMUL_AXES.get(names[-1])
+        if axes is None or names[-2:-1] == ["router"]:
+            return jnp.asarray(leaf, keep_dtype)
+        return quantize_tensor(
+            leaf,
+            num_in_axes=axes[0],
+            num_out_axes=axes[1],
+            granularity=granularity,
+            block_size=block_size,
+        )
+
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def dequantize(params: dict, dtype="bfloat16") -> dict:
+    """Every `Fp8Tensor` as a plain `dtype` array (other leaves cast to `dtype`)."""
+    is_q = lambda x: isinstance(x, Fp8Tensor)
+    return jax.tree.map(lambda x: x.astype(dtype), params, is_leaf=is_q)
+
+
+def tree_bytes(params: dict, *, only_quantized_paths: bool = False) -> int:
+    """Bytes of a param tree; with `only_quantized_paths`, of the matmul weights alone."""
+    total = 0
+    is_q = lambda x: isinstance(x, Fp8Tensor)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]:
+        name = getattr(path[-1], "key", str(path[-1]))
+        if only_quantized_paths and name not in _MATMUL_AXES:
+            continue
+        total += leaf.nbytes if is_q(leaf) else int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+    return total

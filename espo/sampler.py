@@ -1,0 +1,313 @@
+"""Prefill + `lax.while_loop` decode with the KV cache: tokens, log-probs, entropies, routing.
+
+`sample` pads prompts (left) to a prompt bucket and the generation budget to a generation bucket,
+then runs one jitted function per (batch, prompt bucket, generation bucket, G, sampling settings),
+so a whole run compiles a bounded number of times (`compile_count()`).
+
+Conventions (what the trainer relies on):
+  * Rows are B*G, the G samples of one prompt adjacent (row = prompt * G + sample).
+  * `logps[i, t]` is the log-probability of the sampled token under the temperature-scaled
+    distribution softmax(logits / temperature), *before* top-p / top-k truncation (the policy's
+    own probability, as the trainer recomputes it); `entropies[i, t]` is the full-vocabulary
+    entropy of that same distribution. With temperature == 0 (greedy) both use temperature 1.
+  * `mask[i, t]` is True for the sampled tokens, EOS included; `lengths = mask.sum(-1)`.
+  * `router` covers [prompt bucket + generation bucket] positions in the layout of
+    `training_inputs`: left-padded prompt, then the completion. Position p holds the experts that
+    routed the token *at* p (prefill for prompt tokens, the decode step that consumed the token
+    for completion tokens); padding holds -1. A training forward over `training_inputs` with
+    `RoutingMode.REPLAY_IDS` therefore uses exactly the rollout's experts.
+  * The sampler sees the model only through the `SamplingModel` protocol (`forward` and
+    `init_cache`), so a fake model tests it exactly; `EspoModel` wraps the real transformer.
+    Params may be float or FP8-quantized (`espo.quant.quantize_fp8`) transparently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from espo import types
+from espo.model import config as config_lib
+from espo.model import layers, transformer
+
+DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_GENERATION_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+_NUM_TRACES = 0  # incremented each time the jitted sampler is traced (= compiled)
+
+
+def compile_count() -> int:
+    """How many times the jitted sampling function has been traced (compiled) so far."""
+    return _NUM_TRACES
+
+
+@flax.struct.dataclass
+class SampleOutput:
+    """G completions per prompt, batch-leading over B*G rows (see the module docstring)."""
+
+    prompt_tokens: Int[Array, "R Tp"]  # left-padded to the prompt bucket
+    prompt_mask: Bool[Array, "R Tp"]
+    tokens: Int[Array, "R Tg"]  # completions, pad after EOS; Tg = generation bucket
+    mask: Bool[Array, "R Tg"]
+    lengths: Int[Array, " R"]
+    logps: Float[Array, "R Tg"]
+    entropies: Float[Array, "R Tg"]
+    router: types.RouterTrace  # [R, L, Tp + Tg, K]
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def training_inputs(self) -> tuple[Int[Array, "R T"], Bool[Array, "R T"]]:
+        """(tokens, attention_mask) [R, Tp + Tg]: prompt then completion, as the trace."""
+        tokens = jnp.concatenate([self.prompt_tokens, self.tokens], axis=1)
+        return tokens, jnp.concatenate([self.prompt_mask, self.mask], axis=1)
+
+
+def bucket_for(length: int, buckets: tuple[int, ...], *, what: str) -> int:
+    """The smallest bucket >= length."""
+    for b in sorted(buckets):
+        if b >= length:
+            return b
+    raise ValueError(f"{what}={length} exceeds the largest bucket {max(buckets)} of {buckets}")
+
+
+class SamplingModel(Protocol):
+    """What the sampler needs of a model. Implementations must be hashable (jit static)."""
+
+    num_layers: int
+    top_k: int
+
+    def forward(self, params, tokens, *, attention_mask, cache) -> transformer.ModelOutput: ...
+
+    def init_cache(self, *, batch: int, max_length: int) -> layers.KVCache: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EspoModel:
+    """The espo transformer as a `SamplingModel`."""
+
+    cfg: config_lib.ModelConfig
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def top_k(self) -> int:
+        return self.cfg.top_k
+
+    def forward(self, params, tokens, *, attention_mask, cache):
+        return transformer.forward(
+            self.cfg, params, tokens, attention_mask=attention_mask, cache=cache
+        )
+
+    def init_cache(self, *, batch, max_length):
+        return layers.init_cache(self.cfg, batch=batch, max_length=max_length)
+
+
+@flax.struct.dataclass
+class _State:
+    step: Int[Array, " "]
+    cache: layers.KVCache
+    logits: Float[Array, "R V"]  # next-token logits
+    key: jax.Array
+    tokens: Int[Array, "R Tg"]
+    logps: Float[Array, "R Tg"]
+    entropies: Float[Array, "R Tg"]
+    done: Bool[Array, " R"]
+    lengths: Int[Array, " R"]
+    ids: Int[Array, "R L Tg K"]
+    weights: Float[Array, "R L Tg K"]
+
+
+def _log_probs(logits, temperature):
+    """Temperature-scaled log-probs and entropy (temperature 0 -> the untempered ones)."""
+    scale = 1.0 if temperature == 0 else 1.0 / temperature
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) * scale, axis=-1)  # [R, V]
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [R]
+    return logp, entropy
+
+
+def _truncate(logp, *, top_p: float, top_k: int):
+    """Mask (to -inf) tokens outside the top-k and outside the top-p nucleus."""
+    if top_k > 0:
+        kth = jax.lax.top_k(logp, top_k)[0][:, -1:]  # [R, 1]
+        logp = jnp.where(logp < kth, -jnp.inf, logp)
+    if top_p < 1.0:
+        sorted_logp = jnp.sort(logp, axis=-1)[:, ::-1]  # [R, V], descending
+        probs = jnp.exp(sorted_logp)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # [R, V]
+        keep = mass_before < top_p * jnp.sum(probs, axis=-1, keepdims=True)
+        cutoff = jnp.min(jnp.where(keep, sorted_logp, jnp.inf), axis=-1, keepdims=True)
+        logp = jnp.where(logp < cutoff, -jnp.inf, logp)
+    return logp
+
+
+def choose_tokens(logits, key, *, temperature: float, top_p: float, top_k: int):
+    """(tokens [R], logps [R], entropies [R]) for one decode step (see module conventions)."""
+    logp, entropy = _log_probs(logits, temperature)
+    if temperature == 0:
+        token = jnp.argmax(logp, axis=-1)
+    else:
+        token = jax.random.categorical(key, _truncate(logp, top_p=top_p, top_k=top_k), axis=-1)
+    token = token.astype(jnp.int32)
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0], entropy
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "num_samples", "gen_len", "temperature", "top_p", "top_k", "ids"),
+)
+def _sample_jit(
+    model, params, prompts, prompt_mask, key, max_new_tokens, *,
+    num_samples, gen_len, temperature, top_p, top_k, ids,
+):  # fmt: skip
+    global _NUM_TRACES
+    _NUM_TRACES += 1  # runs only while tracing
+    eos_id, pad_id = ids
+    B, Tp = prompts.shape
+    G, R, L, K = num_samples, prompts.shape[0] * num_samples, model.num_layers, model.top_k
+
+    cache = model.init_cache(batch=B, max_length=Tp + gen_len)
+    pre = model.forward(params, prompts, attention_mask=prompt_mask, cache=cache)
+    # Share the prefill across the G samples of each prompt: repeat rows, prompt-major.
+    rep = lambda a: jnp.repeat(a, G, axis=0)
+    cache = pre.cache.repeat(G)
+    mask_lt = prompt_mask[:, None, :, None]  # [B, 1, Tp, 1]
+    prompt_trace = types.RouterTrace(
+        expert_ids=rep(jnp.where(mask_lt, pre.router.expert_ids, -1)),
+        expert_weights=rep(jnp.where(mask_lt, pre.router.expert_weights, 0.0)),
+    )  # [R, L, Tp, K]
+
+    def body(s: _State) -> _State:
+        key, sub = jax.random.split(s.key)
+        token, logp, entropy = choose_tokens(
+            s.logits, sub, temperature=temperature, top_p=top_p, top_k=top_k
+        )
+        live = ~s.done  # rows still generating take this step
+        token = jnp.where(live, token, pad_id)
+        out = model.forward(params, token[:, None], attention_mask=live[:, None], cache=s.cache)
+        live_ltk = live[:, None, None, None]
+        at = (0, 0, s.step, 0)
+        return _State(
+            step=s.step + 1,
+            cache=out.cache,
+            logits=out.logits[:, -1],
+            key=key,
+            tokens=s.tokens.at[:, s.step].set(token),
+            logps=s.logps.at[:, s.step].set(jnp.where(live, logp, 0.0)),
+            entropies=s.entropies.at[:, s.step].set(jnp.where(live, entropy, 0.0)),
+            done=s.done | (live & (token == eos_id)),
+            lengths=s.lengths + live.astype(jnp.int32),
+            ids=jax.lax.dynamic_update_slice(
+                s.ids, jnp.where(live_ltk, out.router.expert_ids, -1), at
+            ),
+            weights=jax.lax.dynamic_update_slice(
+                s.weights, jnp.where(live_ltk, out.router.expert_weights, 0.0), at
+            ),
+        )
+
+    def cond(s: _State):
+        return (s.step < jnp.minimum(gen_len, max_new_tokens)) & ~jnp.all(s.done)
+
+    state = _State(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits=rep(pre.logits[:, -1]),
+        key=key,
+        tokens=jnp.full((R, gen_len), pad_id, jnp.int32),
+        logps=jnp.zeros((R, gen_len), jnp.float32),
+        entropies=jnp.zeros((R, gen_len), jnp.float32),
+        done=jnp.zeros((R,), bool),
+        lengths=jnp.zeros((R,), jnp.int32),
+        ids=jnp.full((R, L, gen_len, K), -1, jnp.int32),
+        weights=jnp.zeros((R, L, gen_len, K), jnp.float32),
+    )
+    state = jax.lax.while_loop(cond, body, state)
+    mask = jnp.arange(gen_len)[None, :] < state.lengths[:, None]
+    return SampleOutput(
+        prompt_tokens=rep(prompts),
+        prompt_mask=rep(prompt_mask),
+        tokens=state.tokens,
+        mask=mask,
+        lengths=state.lengths,
+        logps=state.logps,
+        entropies=state.entropies,
+        router=prompt_trace.concat_time(
+            types.RouterTrace(expert_ids=state.ids, expert_weights=state.weights)
+        ),
+    )
+
+
+def left_pad(
+    prompt_tokens: np.ndarray, prompt_lengths: np.ndarray, *, width: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-aligned (left-padded) [B, width] prompts and their mask, from [B, T>=len] rows."""
+    prompt_tokens, prompt_lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
+    B = prompt_tokens.shape[0]
+    out = np.full((B, width), pad_id, np.int32)
+    mask = np.zeros((B, width), bool)
+    for i, n in enumerate(prompt_lengths):
+        n = int(n)
+        out[i, width - n :] = prompt_tokens[i, :n]
+        mask[i, width - n :] = True
+    return out, mask
+
+
+def sample(
+    model: config_lib.ModelConfig | SamplingModel,
+    params,
+    prompt_tokens: Int[np.ndarray, "B T"],
+    prompt_lengths: Int[np.ndarray, " B"],
+    *,
+    key: jax.Array,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_id: int,
+    pad_id: int,
+    prompt_buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS,
+    generation_buckets: tuple[int, ...] = DEFAULT_GENERATION_BUCKETS,
+) -> SampleOutput:
+    """`num_samples` completions of each prompt (rows prompt-major), stopping at EOS.
+
+    Args:
+      model: a `ModelConfig` (the espo transformer) or any `SamplingModel`.
+      prompt_tokens: [B, T] right-padded (or unpadded) prompts; `prompt_lengths` [B] real lengths.
+      max_new_tokens: the generation budget; rounded up to a generation bucket for the buffer
+        shape, but no sequence generates more than `max_new_tokens` tokens.
+      temperature / top_p / top_k: sampling settings (temperature 0 = greedy).
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples={num_samples} is invalid: >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: >= 1")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(
+            f"temperature={temperature}, top_p={top_p}, top_k={top_k} invalid: "
+            "temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+        )
+    lengths = np.asarray(prompt_lengths)
+    if lengths.min() < 1:
+        raise ValueError(f"prompt_lengths must be >= 1, got min {lengths.min()}")
+    width = bucket_for(int(lengths.max()), prompt_buckets, what="prompt length")
+    gen_len = bucket_for(max_new_tokens, generation_buckets, what="max_new_tokens")
+    prompts, mask = left_pad(prompt_tokens, lengths, width=width, pad_id=pad_id)
+    if isinstance(model, config_lib.ModelConfig):
+        model = EspoModel(model)
+    return _sample_jit(
+        model, params, jnp.asarray(prompts), jnp.asarray(mask), key,
+        jnp.asarray(max_new_tokens, jnp.int32),
+        num_samples=num_samples, gen_len=gen_len, temperature=float(temperature),
+        top_p=float(top_p), top_k=int(top_k), ids=(int(eos_id), int(pad_id)),
+    )  # fmt: skip

@@ -1,0 +1,164 @@
+"""The sampler: exact sequences with a fake model, and consistency with the full forward."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo import model, quant, sampler, types
+from espo.model import layers, transformer
+
+EOS, PAD = 5, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingModel:
+    """Next token = (token + 1) % V with near-certainty; expert id of a token = token % 3."""
+
+    vocab: int = 8
+    num_layers: int = 1
+    top_k: int = 1
+
+    def init_cache(self, *, batch, max_length):
+        return layers.KVCache(
+            k=jnp.zeros((1, batch, max_length, 1, 1)),
+            v=jnp.zeros((1, batch, max_length, 1, 1)),
+            kv_positions=jnp.full((batch, max_length), -1, jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def forward(self, params, tokens, *, attention_mask, cache):
+        del params
+        logits = 30.0 * jax.nn.one_hot((tokens + 1) % self.vocab, self.vocab)  # [B, T, V]
+        positions = jnp.where(attention_mask, 0, -1).astype(jnp.int32)
+        cache = layers.KVCache(
+            k=cache.k,
+            v=cache.v,
+            kv_positions=jax.lax.dynamic_update_slice(
+                cache.kv_positions, positions, (0, cache.index)
+            ),
+            index=cache.index + tokens.shape[1],
+        )
+        ids = (tokens % 3)[:, None, :, None].astype(jnp.int32)  # [B, 1, T, 1]
+        router = types.RouterTrace(expert_ids=ids, expert_weights=jnp.ones(ids.shape))
+        return transformer.ModelOutput(logits=logits, cache=cache, router=router, aux=None)
+
+
+def test_fake_model_exact_sequences_eos_and_trace():
+    prompts = np.array([[1, 2, 0], [4, 5, 6]])
+    out = sampler.sample(
+        CountingModel(), None, prompts, np.array([2, 3]), key=jax.random.key(0),
+        num_samples=2, max_new_tokens=5, eos_id=EOS, pad_id=PAD,
+        prompt_buckets=(4,), generation_buckets=(8,),
+    )  # fmt: skip
+    # Prompt 0 ends with 2 -> 3, 4, 5 (EOS). Prompt 1 ends with 6 -> 7, 0, 1, 2, 3 (budget 5).
+    want = [[3, 4, 5, PAD, PAD, PAD, PAD, PAD]] * 2 + [[7, 0, 1, 2, 3, PAD, PAD, PAD]] * 2
+    np.testing.assert_array_equal(out.tokens, want)
+    np.testing.assert_array_equal(out.lengths, [3, 3, 5, 5])
+    np.testing.assert_array_equal(out.mask, np.arange(8)[None] < np.array([3, 3, 5, 5])[:, None])
+    np.testing.assert_allclose(out.logps[out.mask], 0.0, atol=1e-9)  # near-certain tokens
+    assert (out.logps[~out.mask] == 0).all() and (out.entropies[~out.mask] == 0).all()
+    # Left-padded prompts; the trace holds each position's own token % 3, -1 on padding.
+    np.testing.assert_array_equal(out.prompt_tokens[0], [PAD, PAD, 1, 2])
+    tokens, mask = out.training_inputs()
+    want_ids = np.where(mask, np.asarray(tokens) % 3, -1)
+    np.testing.assert_array_equal(out.router.expert_ids[:, 0, :, 0], want_ids)
+
+
+CFG = model.ModelConfig.tiny(vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init(CFG, jax.random.key(0))
+
+
+PROMPTS = np.random.RandomState(0).randint(2, 64, (3, 9))
+LENGTHS = np.array([9, 4, 6])
+
+
+def _sample(params, **kw):
+    args = dict(key=jax.random.key(1), num_samples=2, max_new_tokens=12, eos_id=1, pad_id=0)
+    return sampler.sample(CFG, params, PROMPTS, LENGTHS, **(args | kw))
+
+
+_forward = jax.jit(functools.partial(model.forward, CFG), static_argnames="routing_mode")
+
+
+def _full_forward(params, out):
+    tokens, mask = out.training_inputs()
+    full = _forward(params, tokens, attention_mask=mask)
+    Tp = out.prompt_tokens.shape[1]
+    logp = jax.nn.log_softmax(full.logits[:, Tp - 1 : -1], axis=-1)  # predicts completion t
+    return full, logp, mask
+
+
+def test_logps_entropies_and_trace_equal_the_full_forward(params):
+    out = _sample(params)
+    full, logp, mask = _full_forward(params, out)
+    token_logp = jnp.take_along_axis(logp, out.tokens[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    np.testing.assert_allclose(out.logps[out.mask], token_logp[out.mask], atol=1e-4)
+    np.testing.assert_allclose(out.entropies[out.mask], entropy[out.mask], atol=1e-4)
+    real = np.asarray(mask)[:, None, :, None]
+    np.testing.assert_array_equal(
+        np.where(real, out.router.expert_ids, -1), np.where(real, full.router.expert_ids, -1)
+    )
+    # Replaying the rollout's trace reproduces the sampled log-probs.
+    tokens, mask = out.training_inputs()
+    replay = _forward(
+        params, tokens, attention_mask=mask, routing=out.router,
+        routing_mode=model.RoutingMode.REPLAY_IDS,
+    )  # fmt: skip
+    np.testing.assert_allclose(replay.logits[mask], full.logits[mask], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_is_argmax_of_the_full_forward(params):
+    out = _sample(params, temperature=0.0)
+    _, logp, _ = _full_forward(params, out)
+    np.testing.assert_array_equal(out.tokens[out.mask], jnp.argmax(logp, -1)[out.mask])
+    # The G samples of one prompt are identical under greedy decoding.
+    np.testing.assert_array_equal(out.tokens[0::2], out.tokens[1::2])
+    # top_k=1 and a tiny nucleus are greedy too.
+    np.testing.assert_array_equal(_sample(params, top_k=1).tokens, out.tokens)
+    np.testing.assert_array_equal(_sample(params, top_p=1e-6).tokens, out.tokens)
+
+
+def test_seed_reproducibility(params):
+    a, b = _sample(params), _sample(params)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    c = _sample(params, key=jax.random.key(7))
+    assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
+
+
+def test_top_k_restricts_the_support(params):
+    out = _sample(params, top_k=3, max_new_tokens=8)
+    _, logp, _ = _full_forward(params, out)
+    rank = jnp.sum(logp > jnp.take_along_axis(logp, out.tokens[..., None], -1), axis=-1)
+    assert int(jnp.max(jnp.where(out.mask, rank, 0))) < 3
+
+
+def test_fp8_params_sample_transparently(params):
+    qparams = quant.quantize_fp8(params)
+    out = _sample(qparams, temperature=0.0)
+    assert out.tokens.shape == (6, 16) and int(out.lengths.max()) <= 12
+
+
+def test_buckets_bound_compiles_and_budget(params):
+    _sample(params, max_new_tokens=12)
+    before = sampler.compile_count()
+    # Another prompt length and budget inside the same buckets: no new compile.
+    out = sampler.sample(
+        CFG, params, PROMPTS[:, :7], np.array([7, 3, 5]), key=jax.random.key(2),
+        num_samples=2, max_new_tokens=10, eos_id=1, pad_id=0,
+    )  # fmt: skip
+    assert sampler.compile_count() == before
+    assert out.tokens.shape == (6, 16) and int(out.lengths.max()) <= 10
+    with pytest.raises(ValueError, match="prompt length=40 exceeds the largest bucket 32"):
+        sampler.sample(
+            CFG, params, np.ones((1, 40), int), np.array([40]), key=jax.random.key(0),
+            num_samples=1, max_new_tokens=4, eos_id=1, pad_id=0, prompt_buckets=(16, 32),
+        )  # fmt: skip
