@@ -6,17 +6,17 @@ Importing this module needs only espo; building Hugging Face models needs the `t
 
 from __future__ import annotations
 
+import os
 import pathlib
+import time
 
 import numpy as np
-
-from espo.model import hf
 
 
 def make_hf_checkpoint(
     path: str | pathlib.Path,
     *,
-    architecture: str = hf.QWEN3_MOE,
+    architecture: str = "Qwen3MoeForCausalLM",
     seed: int = 0,
     init_std: float = 0.2,
     **overrides,
@@ -28,6 +28,8 @@ def make_hf_checkpoint(
     """
     import torch
     import transformers
+
+    from espo.model import hf
 
     common = dict(
         vocab_size=96,
@@ -87,3 +89,27 @@ def hf_forward(path, tokens: np.ndarray, *, attention_mask=None, position_ids=No
         )
     del transformers
     return out.logits.float().numpy(), picked
+
+
+# ---- reward functions for the reward-pool tests (importable by spawned worker processes) ------
+
+
+def length_reward(prompt: str, completion: str, meta) -> float:
+    """len(completion) / 10, after sleeping meta.get("sleep", 0) seconds."""
+    time.sleep(float(meta.get("sleep", 0.0)))
+    return len(completion) / 10.0
+
+
+def misbehaving_reward(prompt: str, completion: str, meta) -> float:
+    """Hangs, crashes the process, raises or returns garbage, as `completion` asks."""
+    if completion == "hang":
+        time.sleep(3600)
+    if completion == "crash":
+        os._exit(3)
+    if completion == "raise":
+        raise RuntimeError("reward function failed")
+    if completion == "garbage":
+        return "not a number"  # type: ignore[return-value]
+    if completion == "nan":
+        return float("nan")
+    return 1.0

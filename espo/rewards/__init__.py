@@ -7,8 +7,16 @@ per-sample timeout is the pool's business). Modules:
   * `math`: symbolic equivalence to the gold via math-verify (`math_reward`, `MathReward`).
   * `procedural`: exact / numeric match and the format reward.
   * `shaping`: DAPO overlong and repetition penalties added to the verifiable reward.
+  * `pool`: the process pool that scores samples with per-sample timeouts.
 """
 
-from espo.rewards import extract, math, procedural, shaping
+import importlib
 
-__all__ = ["extract", "math", "procedural", "shaping"]
+_SUBMODULES = ("extract", "judge", "math", "pool", "procedural", "reward_model", "shaping")
+__all__ = list(_SUBMODULES)
+
+
+def __getattr__(name):  # lazy: a reward worker imports only the module its function lives in
+    if name in _SUBMODULES:
+        return importlib.import_module(f"espo.rewards.{name}")
+    raise AttributeError(f"module 'espo.rewards' has no attribute {name!r}")

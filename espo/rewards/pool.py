@@ -1,0 +1,236 @@
+"""`RewardPool`: score samples in worker processes with a per-sample timeout, asynchronously.
+
+The rollout hands each finished chunk to the pool and goes on decoding the next one; the pool's
+dispatcher thread feeds worker processes one sample at a time and collects the results. A reward
+function that hangs past `timeout_s` has its worker killed and replaced; one that crashes its
+process (segfault, `os._exit`) likewise; one that raises or returns something that is not a
+finite number is recorded as failed. Each failure gets `failed_reward`, `ok=False` and a
+counter in `metrics()`, never a hung or crashed run.
+
+Workers are separate processes (started with "spawn": forking a process that runs JAX threads
+can deadlock) because math verifiers time themselves out with `signal.alarm`, which works only in
+a process's main thread. This module imports no JAX, so workers start fast.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import math
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing import connection
+from typing import Any
+
+import numpy as np
+
+RewardFn = Callable[[str, str, Mapping[str, Any]], float]
+STATUSES = ("ok", "timeout", "error", "crash", "invalid")
+
+
+def _worker_main(conn, reward_fn: RewardFn) -> None:
+    """Worker loop: receive (task_id, prompt, completion, meta), send (task_id, status, value)."""
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        task_id, prompt, completion, meta = task
+        try:
+            value = reward_fn(prompt, completion, meta)
+        except BaseException as e:  # noqa: BLE001 - math-verify's timeout is a BaseException
+            conn.send((task_id, "error", f"{type(e).__name__}: {e}"))
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+            conn.send((task_id, "invalid", f"returned {type(value).__name__}: {value!r:.80}"))
+        elif not math.isfinite(float(value)):
+            conn.send((task_id, "invalid", f"returned {value!r}"))
+        else:
+            conn.send((task_id, "ok", float(value)))
+
+
+@dataclasses.dataclass
+class _Worker:
+    process: Any
+    conn: Any
+    task: int | None = None
+    started: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardResults:
+    rewards: np.ndarray  # float32 [N]; failed samples hold `failed_reward`
+    ok: np.ndarray  # bool [N]
+    status: tuple[str, ...]  # one of STATUSES per sample
+    detail: tuple[str, ...]  # the error message for failed samples, "" otherwise
+
+
+class RewardPool:
+    """A process pool for `fn(prompt, completion, meta) -> float` with per-sample timeouts."""
+
+    def __init__(
+        self,
+        reward_fn: RewardFn,
+        *,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        failed_reward: float = 0.0,
+        start_method: str = "spawn",
+    ):
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} is invalid: >= 1")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} is invalid: > 0")
+        self._fn = reward_fn
+        self._timeout = timeout_s
+        self._failed_reward = failed_reward
+        self._ctx = multiprocessing.get_context(start_method)
+        self._lock = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._results: dict[int, tuple[str, Any]] = {}
+        self._next_id = 0
+        self._closed = False
+        self._counts = collections.Counter()
+        self._busy_s = 0.0
+        self._workers = [self._start_worker() for _ in range(num_workers)]
+        self._thread = threading.Thread(target=self._dispatch, name="reward-pool", daemon=True)
+        self._thread.start()
+
+    # ---- public API -----------------------------------------------------------------------
+    def submit(self, items: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[int]:
+        """Queue (prompt, completion, meta) samples; returns their task ids (non-blocking)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed")
+            ids = list(range(self._next_id, self._next_id + len(items)))
+            self._next_id += len(items)
+            self._queue.extend(zip(ids, items, strict=True))
+            self._lock.notify_all()
+        return ids
+
+    def results(self, task_ids: Sequence[int], *, timeout: float | None = None) -> RewardResults:
+        """Wait for the given tasks and return their scores (removing them from the pool)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not all(t in self._results for t in task_ids):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{len(task_ids)} reward tasks not done in {timeout}s")
+                self._lock.wait(remaining if remaining is not None else 0.5)
+            done = [self._results.pop(t) for t in task_ids]
+        ok = np.array([s == "ok" for s, _ in done], bool)
+        rewards = np.array(
+            [v if s == "ok" else self._failed_reward for s, v in done], np.float32
+        ).reshape(len(done))
+        return RewardResults(
+            rewards=rewards,
+            ok=ok,
+            status=tuple(s for s, _ in done),
+            detail=tuple("" if s == "ok" else str(v) for s, v in done),
+        )
+
+    def score(self, items, *, timeout: float | None = None) -> RewardResults:
+        """submit + results."""
+        return self.results(self.submit(items), timeout=timeout)
+
+    def metrics(self) -> dict[str, float]:
+        """Counts per status (`reward/num_<status>`) and the workers' busy seconds."""
+        with self._lock:
+            out = {f"reward/num_{s}": float(self._counts[s]) for s in STATUSES}
+            out["reward/busy_s"] = self._busy_s
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join(timeout=10)
+        for w in self._workers:
+            self._stop_worker(w, graceful=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- dispatcher ------------------------------------------------------------------------
+    def _start_worker(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_worker_main, args=(child, self._fn), daemon=True)
+        process.start()
+        child.close()
+        return _Worker(process=process, conn=parent)
+
+    def _stop_worker(self, w: _Worker, *, graceful: bool) -> None:
+        if graceful and w.process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                w.conn.send(None)
+            w.process.join(timeout=2)
+        if w.process.is_alive():
+            w.process.kill()
+        w.process.join(timeout=5)
+        w.conn.close()
+
+    def _finish(self, w: _Worker, status: str, value: Any) -> None:
+        with self._lock:
+            self._results[w.task] = (status, value)
+            self._counts[status] += 1
+            self._busy_s += time.monotonic() - w.started
+            self._lock.notify_all()
+        w.task = None
+
+    def _replace(self, i: int, status: str, detail: str) -> None:
+        w = self._workers[i]
+        self._finish(w, status, detail)
+        self._stop_worker(w, graceful=False)
+        self._workers[i] = self._start_worker()
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed and not self._queue and all(w.task is None for w in self._workers):
+                    return
+                for w in self._workers:
+                    if w.task is None and self._queue:
+                        task_id, (prompt, completion, meta) = self._queue.popleft()
+                        w.task, w.started = task_id, time.monotonic()
+                        w.conn.send((task_id, prompt, completion, dict(meta)))
+            busy = [i for i, w in enumerate(self._workers) if w.task is not None]
+            if not busy:
+                with self._lock:
+                    if not self._queue and not self._closed:
+                        self._lock.wait(0.05)
+                continue
+            waitables = {self._workers[i].conn: i for i in busy}
+            waitables.update({self._workers[i].process.sentinel: i for i in busy})
+            now = time.monotonic()
+            next_deadline = min(self._workers[i].started + self._timeout for i in busy)
+            ready = connection.wait(
+                list(waitables), timeout=max(0.0, min(next_deadline - now, 0.05))
+            )
+            handled = set()
+            for obj in ready:
+                i = waitables[obj]
+                if i in handled:
+                    continue
+                handled.add(i)
+                w = self._workers[i]
+                try:
+                    task_id, status, value = w.conn.recv()
+                except (EOFError, OSError):
+                    w.process.join(timeout=2)  # EOF can arrive before the process is reaped
+                    code = w.process.exitcode
+                    self._replace(i, "crash", f"worker process died (exit code {code})")
+                    continue
+                self._finish(w, status, value)
+            now = time.monotonic()
+            for i in busy:
+                w = self._workers[i]
+                if i not in handled and w.task is not None and now - w.started > self._timeout:
+                    self._replace(i, "timeout", f"no result after {self._timeout}s")
