@@ -57,6 +57,8 @@ class SampleOutput:
     tokens: Int[Array, "R Tg"]  # completions, pad after EOS; Tg = generation bucket
     mask: Bool[Array, "R Tg"]
     lengths: Int[Array, " R"]
+    finished: Bool[Array, " R"]  # emitted EOS (False: stopped by the budget)
+    num_steps: Int[Array, " "]  # decode steps the chunk ran
     logps: Float[Array, "R Tg"]
     entropies: Float[Array, "R Tg"]
     router: types.RouterTrace  # [R, L, Tp + Tg, K]
@@ -162,83 +164,139 @@ def choose_tokens(logits, key, *, temperature: float, top_p: float, top_k: int):
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0], entropy
 
 
+@flax.struct.dataclass
+class Prefix:
+    """Completions already generated for each row (a continuation chunk), right-padded."""
+
+    tokens: Int[Array, "R Tg"]
+    lengths: Int[Array, " R"]
+    logps: Float[Array, "R Tg"]
+    entropies: Float[Array, "R Tg"]
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("model", "num_samples", "gen_len", "temperature", "top_p", "top_k", "ids"),
 )
-def _sample_jit(
-    model, params, prompts, prompt_mask, key, max_new_tokens, *,
-    num_samples, gen_len, temperature, top_p, top_k, ids,
-):  # fmt: skip
+def sample_chunk(
+    model: SamplingModel,
+    params,
+    prompts: Int[Array, "B Tp"],
+    prompt_mask: Bool[Array, "B Tp"],
+    key: jax.Array,
+    budget: Int[Array, " "],
+    prefix: Prefix | None = None,
+    *,
+    num_samples: int,
+    gen_len: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    ids: tuple[int, int],
+) -> SampleOutput:
+    """One compiled chunk: left-padded prompts [B, Tp] -> B*G rows of at most `budget` tokens.
+
+    With a `prefix` (num_samples must be 1) each row continues its already generated tokens:
+    the prefill covers prompt + prefix and generation resumes at the row's prefix length; the
+    output holds prefix + new tokens, and the trace of the prefix positions comes from that
+    prefill. A row stops at EOS or when its total generated length reaches `budget`.
+    """
     global _NUM_TRACES
     _NUM_TRACES += 1  # runs only while tracing
     eos_id, pad_id = ids
     B, Tp = prompts.shape
     G, R, L, K = num_samples, prompts.shape[0] * num_samples, model.num_layers, model.top_k
-
-    cache = model.init_cache(batch=B, max_length=Tp + gen_len)
-    pre = model.forward(params, prompts, attention_mask=prompt_mask, cache=cache)
-    # Share the prefill across the G samples of each prompt: repeat rows, prompt-major.
     rep = lambda a: jnp.repeat(a, G, axis=0)
+    steps = jnp.arange(gen_len)
+
+    if prefix is None:
+        inputs, input_mask, cache_len = prompts, prompt_mask, Tp + gen_len
+        start = jnp.zeros((R,), jnp.int32)
+    else:
+        if G != 1:
+            raise ValueError(f"a prefix (continuation) needs num_samples=1, got {G}")
+        start = prefix.lengths.astype(jnp.int32)
+        inputs = jnp.concatenate([prompts, prefix.tokens], axis=1)  # [R, Tp + Tg]
+        input_mask = jnp.concatenate([prompt_mask, steps[None] < start[:, None]], axis=1)
+        cache_len = Tp + 2 * gen_len
+    cache = model.init_cache(batch=B, max_length=cache_len)
+    pre = model.forward(params, inputs, attention_mask=input_mask, cache=cache)
+    last = Tp - 1 + (0 if prefix is None else start)  # each row's last real input position
+    logits = jnp.take_along_axis(pre.logits, jnp.broadcast_to(last, (B,))[:, None, None], 1)
+    # Share the prefill across the G samples of each prompt: repeat rows, prompt-major.
     cache = pre.cache.repeat(G)
-    mask_lt = prompt_mask[:, None, :, None]  # [B, 1, Tp, 1]
+    real = input_mask[:, None, :, None]  # [B, 1, Tp(+Tg), 1]
+    trace_ids = rep(jnp.where(real, pre.router.expert_ids, -1))  # [R, L, Tp(+Tg), K]
+    trace_w = rep(jnp.where(real, pre.router.expert_weights, 0.0))
+    if prefix is None:
+        tokens = jnp.full((R, gen_len), pad_id, jnp.int32)
+        logps = entropies = jnp.zeros((R, gen_len), jnp.float32)
+        gen_ids = jnp.full((R, L, gen_len, K), -1, jnp.int32)
+        gen_w = jnp.zeros((R, L, gen_len, K), jnp.float32)
+    else:
+        in_prefix = steps[None] < start[:, None]  # [R, Tg]
+        tokens = jnp.where(in_prefix, prefix.tokens, pad_id).astype(jnp.int32)
+        logps = jnp.where(in_prefix, prefix.logps, 0.0)
+        entropies = jnp.where(in_prefix, prefix.entropies, 0.0)
+        gen_ids, gen_w = trace_ids[:, :, Tp:], trace_w[:, :, Tp:]
     prompt_trace = types.RouterTrace(
-        expert_ids=rep(jnp.where(mask_lt, pre.router.expert_ids, -1)),
-        expert_weights=rep(jnp.where(mask_lt, pre.router.expert_weights, 0.0)),
-    )  # [R, L, Tp, K]
+        expert_ids=trace_ids[:, :, :Tp], expert_weights=trace_w[:, :, :Tp]
+    )
+    rows = jnp.arange(R)
 
     def body(s: _State) -> _State:
         key, sub = jax.random.split(s.key)
         token, logp, entropy = choose_tokens(
             s.logits, sub, temperature=temperature, top_p=top_p, top_k=top_k
         )
-        live = ~s.done  # rows still generating take this step
+        live = ~s.done & (s.lengths < budget)  # rows still generating take this step
         token = jnp.where(live, token, pad_id)
         out = model.forward(params, token[:, None], attention_mask=live[:, None], cache=s.cache)
-        live_ltk = live[:, None, None, None]
-        at = (0, 0, s.step, 0)
+        at = jnp.minimum(s.lengths, gen_len - 1)  # each row writes at its own length
+        live_lk = live[:, None, None]
         return _State(
             step=s.step + 1,
             cache=out.cache,
             logits=out.logits[:, -1],
             key=key,
-            tokens=s.tokens.at[:, s.step].set(token),
-            logps=s.logps.at[:, s.step].set(jnp.where(live, logp, 0.0)),
-            entropies=s.entropies.at[:, s.step].set(jnp.where(live, entropy, 0.0)),
+            tokens=s.tokens.at[rows, at].set(jnp.where(live, token, s.tokens[rows, at])),
+            logps=s.logps.at[rows, at].set(jnp.where(live, logp, s.logps[rows, at])),
+            entropies=s.entropies.at[rows, at].set(jnp.where(live, entropy, s.entropies[rows, at])),
             done=s.done | (live & (token == eos_id)),
             lengths=s.lengths + live.astype(jnp.int32),
-            ids=jax.lax.dynamic_update_slice(
-                s.ids, jnp.where(live_ltk, out.router.expert_ids, -1), at
+            ids=s.ids.at[rows, :, at].set(
+                jnp.where(live_lk, out.router.expert_ids[:, :, 0], s.ids[rows, :, at])
             ),
-            weights=jax.lax.dynamic_update_slice(
-                s.weights, jnp.where(live_ltk, out.router.expert_weights, 0.0), at
+            weights=s.weights.at[rows, :, at].set(
+                jnp.where(live_lk, out.router.expert_weights[:, :, 0], s.weights[rows, :, at])
             ),
         )
 
     def cond(s: _State):
-        return (s.step < jnp.minimum(gen_len, max_new_tokens)) & ~jnp.all(s.done)
+        return jnp.any(~s.done & (s.lengths < budget)) & (s.step < gen_len)
 
     state = _State(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
-        logits=rep(pre.logits[:, -1]),
+        logits=rep(logits[:, 0]),
         key=key,
-        tokens=jnp.full((R, gen_len), pad_id, jnp.int32),
-        logps=jnp.zeros((R, gen_len), jnp.float32),
-        entropies=jnp.zeros((R, gen_len), jnp.float32),
+        tokens=tokens,
+        logps=logps,
+        entropies=entropies,
         done=jnp.zeros((R,), bool),
-        lengths=jnp.zeros((R,), jnp.int32),
-        ids=jnp.full((R, L, gen_len, K), -1, jnp.int32),
-        weights=jnp.zeros((R, L, gen_len, K), jnp.float32),
+        lengths=start,
+        ids=gen_ids,
+        weights=gen_w,
     )
     state = jax.lax.while_loop(cond, body, state)
-    mask = jnp.arange(gen_len)[None, :] < state.lengths[:, None]
     return SampleOutput(
         prompt_tokens=rep(prompts),
         prompt_mask=rep(prompt_mask),
         tokens=state.tokens,
-        mask=mask,
+        mask=steps[None] < state.lengths[:, None],
         lengths=state.lengths,
+        finished=state.done,
+        num_steps=state.step,
         logps=state.logps,
         entropies=state.entropies,
         router=prompt_trace.concat_time(
@@ -305,7 +363,7 @@ def sample(
     prompts, mask = left_pad(prompt_tokens, lengths, width=width, pad_id=pad_id)
     if isinstance(model, config_lib.ModelConfig):
         model = EspoModel(model)
-    return _sample_jit(
+    return sample_chunk(
         model, params, jnp.asarray(prompts), jnp.asarray(mask), key,
         jnp.asarray(max_new_tokens, jnp.int32),
         num_samples=num_samples, gen_len=gen_len, temperature=float(temperature),
