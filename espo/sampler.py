@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Protocol
 
 import flax.struct
@@ -69,8 +70,9 @@ class SampleOutput:
 
     def training_inputs(self) -> tuple[Int[Array, "R T"], Bool[Array, "R T"]]:
         """(tokens, attention_mask) [R, Tp + Tg]: prompt then completion, as the trace."""
-        tokens = jnp.concatenate([self.prompt_tokens, self.tokens], axis=1)
-        return tokens, jnp.concatenate([self.prompt_mask, self.mask], axis=1)
+        return types.prompt_then_completion(
+            self.prompt_tokens, self.prompt_mask, self.tokens, self.mask
+        )
 
 
 def bucket_for(length: int, buckets: tuple[int, ...], *, what: str) -> int:
@@ -306,17 +308,21 @@ def sample_chunk(
 
 
 def left_pad(
-    prompt_tokens: np.ndarray, prompt_lengths: np.ndarray, *, width: int, pad_id: int
+    prompt_tokens, prompt_lengths: Sequence[int], *, width: int, pad_id: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Right-aligned (left-padded) [B, width] prompts and their mask, from [B, T>=len] rows."""
-    prompt_tokens, prompt_lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
-    B = prompt_tokens.shape[0]
+    """Right-aligned (left-padded) [B, width] prompts and their mask.
+
+    `prompt_tokens` is a [B, T] array or a list of B token sequences (ragged is fine); row i
+    contributes its first `prompt_lengths[i]` tokens.
+    """
+    B = len(prompt_tokens)
     out = np.full((B, width), pad_id, np.int32)
     mask = np.zeros((B, width), bool)
-    for i, n in enumerate(prompt_lengths):
+    for i, (row, n) in enumerate(zip(prompt_tokens, prompt_lengths, strict=True)):
         n = int(n)
-        out[i, width - n :] = prompt_tokens[i, :n]
-        mask[i, width - n :] = True
+        if n > 0:
+            out[i, width - n :] = np.asarray(row[:n])
+            mask[i, width - n :] = True
     return out, mask
 
 

@@ -6,10 +6,13 @@ Importing this module needs only espo; building Hugging Face models needs the `t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -113,3 +116,61 @@ def misbehaving_reward(prompt: str, completion: str, meta) -> float:
     if completion == "nan":
         return float("nan")
     return 1.0
+
+
+# ---- a fake model for the sampler and the rollout ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingModel:
+    """A `SamplingModel` whose next token is (token + 1) % vocab with near-certainty.
+
+    Completion lengths are therefore known in advance (from a last prompt token t, EOS = vocab-1
+    comes after vocab-1-t tokens), and the "expert" of a token is token % 3, so every position of
+    a router trace can be checked. `step_delay_s` makes each forward take that long (a host
+    callback), standing in for a model whose decode is slow.
+    """
+
+    vocab: int = 8
+    num_layers: int = 1
+    top_k: int = 1
+    step_delay_s: float = 0.0
+
+    def init_cache(self, *, batch, max_length):
+        from espo.model import layers
+
+        return layers.KVCache(
+            k=jnp.zeros((1, batch, max_length, 1, 1)),
+            v=jnp.zeros((1, batch, max_length, 1, 1)),
+            kv_positions=jnp.full((batch, max_length), -1, jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def forward(self, params, tokens, *, attention_mask, cache):
+        from espo import types
+        from espo.model import layers, transformer
+
+        del params
+        logits = 30.0 * jax.nn.one_hot((tokens + 1) % self.vocab, self.vocab)  # [B, T, V]
+        if self.step_delay_s:
+            delay = self.step_delay_s
+
+            def wait(x):
+                time.sleep(delay)
+                return np.zeros_like(x)
+
+            logits = logits + jax.pure_callback(
+                wait, jax.ShapeDtypeStruct(logits.shape, logits.dtype), logits
+            )
+        positions = jnp.where(attention_mask, 0, -1).astype(jnp.int32)
+        cache = layers.KVCache(
+            k=cache.k,
+            v=cache.v,
+            kv_positions=jax.lax.dynamic_update_slice(
+                cache.kv_positions, positions, (0, cache.index)
+            ),
+            index=cache.index + tokens.shape[1],
+        )
+        ids = (tokens % 3)[:, None, :, None].astype(jnp.int32)  # [B, 1, T, 1]
+        router = types.RouterTrace(expert_ids=ids, expert_weights=jnp.ones(ids.shape))
+        return transformer.ModelOutput(logits=logits, cache=cache, router=router, aux=None)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
 
 
 @flax.struct.dataclass
@@ -76,3 +77,51 @@ class LossOutput:
         """numerator / denominator; 0 (not NaN) when the denominator is 0 (nothing to average)."""
         safe_denominator = jnp.where(self.denominator > 0, self.denominator, 1.0)
         return self.numerator / safe_denominator
+
+
+def prompt_then_completion(
+    prompt_tokens: Int[Array, "R Tp"],
+    prompt_mask: Array,
+    tokens: Int[Array, "R Tg"],
+    mask: Array,
+) -> tuple[Int[Array, "R T"], Array]:
+    """(tokens, attention_mask) [R, Tp + Tg]: left-padded prompt then the completion."""
+    xp = jnp if isinstance(tokens, jax.Array) else np
+    return (
+        xp.concatenate([prompt_tokens, tokens], axis=1),
+        xp.concatenate([prompt_mask, mask], axis=1),
+    )
+
+
+@flax.struct.dataclass
+class Rollout:
+    """G samples of each prompt with everything the trainer needs (host numpy arrays).
+
+    Rows are prompt-major (the samples of one prompt adjacent, `group_ids` = prompt index).
+    Token layout and router-trace alignment are those of `espo.sampler.SampleOutput`: a
+    training forward over `training_inputs()` with `RoutingMode.REPLAY_IDS` replays exactly
+    the experts the rollout used. `prompts` / `completions` (texts) and `metrics` are static.
+    """
+
+    prompt_tokens: Int[Array, "N Tp"]
+    prompt_mask: Bool[Array, "N Tp"]
+    tokens: Int[Array, "N Tg"]
+    mask: Bool[Array, "N Tg"]
+    lengths: Int[Array, " N"]
+    finished: Bool[Array, " N"]  # emitted EOS; False: truncated at max_new_tokens
+    logps: Float[Array, "N Tg"]  # sampler log-probs (see espo.sampler conventions)
+    entropies: Float[Array, "N Tg"]
+    router: RouterTrace  # [N, L, Tp + Tg, K]
+    group_ids: Int[Array, " N"]
+    rewards: Float[Array, " N"]
+    reward_ok: Bool[Array, " N"]  # False where the reward function failed (timeout, crash...)
+    prompts: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
+    completions: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
+    metrics: dict = flax.struct.field(pytree_node=False, default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def training_inputs(self):
+        return prompt_then_completion(self.prompt_tokens, self.prompt_mask, self.tokens, self.mask)

@@ -1,6 +1,5 @@
 """The sampler: exact sequences with a fake model, and consistency with the full forward."""
 
-import dataclasses
 import functools
 
 import jax
@@ -8,49 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo import model, quant, sampler, types
-from espo.model import layers, transformer
+from espo import model, quant, sampler, testing
 
 EOS, PAD = 5, 0
-
-
-@dataclasses.dataclass(frozen=True)
-class CountingModel:
-    """Next token = (token + 1) % V with near-certainty; expert id of a token = token % 3."""
-
-    vocab: int = 8
-    num_layers: int = 1
-    top_k: int = 1
-
-    def init_cache(self, *, batch, max_length):
-        return layers.KVCache(
-            k=jnp.zeros((1, batch, max_length, 1, 1)),
-            v=jnp.zeros((1, batch, max_length, 1, 1)),
-            kv_positions=jnp.full((batch, max_length), -1, jnp.int32),
-            index=jnp.zeros((), jnp.int32),
-        )
-
-    def forward(self, params, tokens, *, attention_mask, cache):
-        del params
-        logits = 30.0 * jax.nn.one_hot((tokens + 1) % self.vocab, self.vocab)  # [B, T, V]
-        positions = jnp.where(attention_mask, 0, -1).astype(jnp.int32)
-        cache = layers.KVCache(
-            k=cache.k,
-            v=cache.v,
-            kv_positions=jax.lax.dynamic_update_slice(
-                cache.kv_positions, positions, (0, cache.index)
-            ),
-            index=cache.index + tokens.shape[1],
-        )
-        ids = (tokens % 3)[:, None, :, None].astype(jnp.int32)  # [B, 1, T, 1]
-        router = types.RouterTrace(expert_ids=ids, expert_weights=jnp.ones(ids.shape))
-        return transformer.ModelOutput(logits=logits, cache=cache, router=router, aux=None)
 
 
 def test_fake_model_exact_sequences_eos_and_trace():
     prompts = np.array([[1, 2, 0], [4, 5, 6]])
     out = sampler.sample(
-        CountingModel(), None, prompts, np.array([2, 3]), key=jax.random.key(0),
+        testing.CountingModel(), None, prompts, np.array([2, 3]), key=jax.random.key(0),
         num_samples=2, max_new_tokens=5, eos_id=EOS, pad_id=PAD,
         prompt_buckets=(4,), generation_buckets=(8,),
     )  # fmt: skip
@@ -162,3 +127,25 @@ def test_buckets_bound_compiles_and_budget(params):
             CFG, params, np.ones((1, 40), int), np.array([40]), key=jax.random.key(0),
             num_samples=1, max_new_tokens=4, eos_id=1, pad_id=0, prompt_buckets=(16, 32),
         )  # fmt: skip
+
+
+def test_continuing_from_a_prefix_equals_one_pass(params):
+    """Budget 4, then continue the unfinished rows from their prefixes: same as one pass."""
+    prompts, mask = sampler.left_pad(PROMPTS, LENGTHS, width=16, pad_id=0)
+    run = functools.partial(
+        sampler.sample_chunk, sampler.EspoModel(CFG), params, jnp.asarray(prompts),
+        jnp.asarray(mask), jax.random.key(0), num_samples=1, gen_len=16, temperature=0.0,
+        top_p=1.0, top_k=0, ids=(1, 0),
+    )  # fmt: skip
+    whole = run(jnp.asarray(12))
+    first = run(jnp.asarray(4))
+    assert int(first.num_steps) <= 4 and (first.lengths <= 4).all()
+    prefix = sampler.Prefix(
+        tokens=first.tokens, lengths=first.lengths, logps=first.logps, entropies=first.entropies
+    )
+    rest = run(jnp.asarray(12), prefix)
+    np.testing.assert_array_equal(rest.tokens, whole.tokens)
+    np.testing.assert_array_equal(rest.lengths, whole.lengths)
+    np.testing.assert_allclose(rest.logps, whole.logps, atol=1e-4)
+    np.testing.assert_allclose(rest.entropies, whole.entropies, atol=1e-4)
+    np.testing.assert_array_equal(rest.router.expert_ids, whole.router.expert_ids)

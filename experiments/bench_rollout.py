@@ -1,0 +1,256 @@
+"""Rollout benchmark: one table from one run on the same weights.
+
+  python experiments/bench_rollout.py [--batch 64] [--new_tokens 128] [--quick]
+
+Rows:
+  1. decode throughput: espo (f32, bf16, fp8 weights) vs Hugging Face transformers `generate`
+     (torch CPU) on the same tiny Qwen3-MoE checkpoint, batch B, fixed-length completions;
+  2. FP8 train-infer mismatch: mean |dlogp| of FP8 sampling vs the bf16 forward on the same
+     tokens, greedy-token agreement and router-id disagreement;
+  3. padding waste, FIFO vs length-aware, on a heavy-tailed (lognormal) length workload;
+  4. overlap: wall time of generate_and_score with a slow reward vs generation-only and
+     reward-only time (efficiency = max(gen, reward) / wall; 1.0 is perfect overlap);
+  5. on a GPU only: FP8 vs bf16 decode throughput on a memory-bound >= 1B-parameter config and
+     the achieved weight-read bandwidth against the card's peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from espo import model, quant, rollout, sampler, scheduling, testing
+from espo.rewards import pool as pool_lib
+
+PEAK_BANDWIDTH_GBS = {"H100": 3350.0, "H200": 4800.0}
+
+
+def _timed(fn, repeats):
+    fn()  # compile / warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def espo_decode_tokens_per_s(cfg, params, prompts, *, new_tokens, repeats=2):
+    lengths = np.full(len(prompts), prompts.shape[1])
+    run = functools.partial(
+        sampler.sample, cfg, params, prompts, lengths, key=jax.random.key(0), num_samples=1,
+        max_new_tokens=new_tokens, eos_id=-1, pad_id=0,
+        prompt_buckets=(prompts.shape[1],), generation_buckets=(new_tokens,),
+    )  # fmt: skip
+    return len(prompts) * new_tokens / _timed(lambda: run().tokens, repeats)
+
+
+def hf_decode_tokens_per_s(path, prompts, *, new_tokens, repeats=2):
+    import torch
+    import transformers
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.as_tensor(prompts, dtype=torch.long)
+
+    def run():
+        with torch.no_grad():
+            return hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                temperature=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )  # fmt: skip
+
+    return len(prompts) * new_tokens / _timed(run, repeats)
+
+
+def _greedy_agreement(cfg, params_a, params_b, tokens, mask):
+    fwd = jax.jit(functools.partial(model.forward, cfg))
+    a = jnp.argmax(fwd(params_a, tokens, attention_mask=mask).logits, -1)
+    b = jnp.argmax(fwd(params_b, tokens, attention_mask=mask).logits, -1)
+    return float(jnp.sum((a == b) * mask) / jnp.sum(mask))
+
+
+def fp8_mismatch(cfg, params, prompts, *, new_tokens):
+    """FP8-sampled tokens scored by the bf16 model: |dlogp|, greedy agreement, router flips."""
+    cfg16 = cfg.replace(param_dtype="bfloat16", dtype="bfloat16")
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    q = quant.quantize_fp8(bf16)
+    lengths = np.full(len(prompts), prompts.shape[1])
+    out = sampler.sample(
+        cfg16, q, prompts, lengths, key=jax.random.key(1), num_samples=1,
+        max_new_tokens=new_tokens, eos_id=-1, pad_id=0,
+    )  # fmt: skip
+    tokens, mask = out.training_inputs()
+    ref = jax.jit(functools.partial(model.forward, cfg16))(bf16, tokens, attention_mask=mask)
+    Tp = out.prompt_tokens.shape[1]
+    logp = jax.nn.log_softmax(ref.logits[:, Tp - 1 : -1].astype(jnp.float32), axis=-1)
+    ref_logps = jnp.take_along_axis(logp, out.tokens[..., None], -1)[..., 0]
+    m = out.mask
+    real = np.asarray(mask)[:, None, :, None] & (np.asarray(out.router.expert_ids) >= 0)
+    flips = np.sort(out.router.expert_ids, -1) != np.sort(ref.router.expert_ids, -1)
+    return {
+        "mean_abs_dlogp": float(jnp.sum(jnp.abs(out.logps - ref_logps) * m) / jnp.sum(m)),
+        "greedy_agreement": _greedy_agreement(cfg16, bf16, q, tokens, mask),
+        "router_disagreement": float(np.sum(flips & real) / max(np.sum(real), 1)),
+        "weight_bytes_ratio": quant.tree_bytes(q, only_quantized_paths=True)
+        / quant.tree_bytes(bf16, only_quantized_paths=True),
+    }
+
+
+def padding_waste(*, num_prompts, group_size, max_new_tokens, seed=0):
+    """FIFO vs length-aware on lognormal lengths, through the real sampler and rollout loop."""
+    vocab = max_new_tokens + 64
+    rng = np.random.RandomState(seed)
+    lengths = np.clip(rng.lognormal(np.log(max_new_tokens / 12), 1.0, num_prompts), 1, vocab - 2)
+    prompts = [[1, int(vocab - 1 - n)] for n in lengths.astype(int)]  # CountingModel: length n
+    fake = testing.CountingModel(vocab=vocab)
+    gens = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b < max_new_tokens)
+    buckets = scheduling.LengthBuckets(
+        prompt_buckets=(8,), generation_buckets=(*gens, max_new_tokens)
+    )
+    sampling = rollout.SamplingParams(max_new_tokens=max_new_tokens, eos_id=vocab - 1, pad_id=0)
+    predictor = scheduling.LengthPredictor(default_length=max_new_tokens / 4)
+    out = {}
+    with pool_lib.RewardPool(testing.length_reward, num_workers=1, timeout_s=60) as pool:
+        run = functools.partial(
+            rollout.generate_and_score, fake, None, prompts=prompts,
+            prompt_texts=["p"] * num_prompts, metas=[{}] * num_prompts, group_sizes=group_size,
+            key=jax.random.key(0), sampling=sampling, buckets=buckets, max_chunk_size=16,
+            reward_pool=pool, detokenize=lambda t: "",
+        )  # fmt: skip
+        out["fifo"] = run(schedule="fifo").metrics
+        run(predictor=predictor)  # one step of length history
+        out["length_aware"] = run(predictor=predictor).metrics
+    return out
+
+
+def overlap(cfg, params, *, num_prompts, group_size, new_tokens, sleep_s):
+    """Wall time of generate_and_score with a slow reward vs its two halves alone."""
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(2, cfg.vocab_size, 12)) for _ in range(num_prompts)]
+    buckets = scheduling.LengthBuckets(prompt_buckets=(16,), generation_buckets=(new_tokens,))
+    sampling = rollout.SamplingParams(max_new_tokens=new_tokens, eos_id=-1, pad_id=0)
+    n = num_prompts * group_size
+
+    def run(pool, meta):
+        return rollout.generate_and_score(
+            cfg, params, prompts=prompts, prompt_texts=["p"] * num_prompts,
+            metas=[meta] * num_prompts, group_sizes=group_size, key=jax.random.key(0),
+            sampling=sampling, buckets=buckets, max_chunk_size=8, reward_pool=pool,
+            detokenize=lambda t: "x", schedule="fifo",
+        ).metrics["rollout/total_s"]  # fmt: skip
+
+    with pool_lib.RewardPool(testing.length_reward, num_workers=2, timeout_s=60) as pool:
+        run(pool, {})  # compile, start workers
+        gen = run(pool, {})
+        t0 = time.perf_counter()
+        pool.score([("p", "x", {"sleep": sleep_s})] * n, timeout=600)
+        reward = time.perf_counter() - t0
+        wall = run(pool, {"sleep": sleep_s})
+    return {"generate_s": gen, "reward_s": reward, "wall_s": wall,
+            "efficiency": max(gen, reward) / wall}  # fmt: skip
+
+
+def gpu_decode_bandwidth(cfg, *, batch, new_tokens, repeats=3):
+    """bf16 vs FP8 decode tokens/s and the achieved weight-read bandwidth (GB/s)."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.init(cfg, jax.random.key(0)))
+    prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, 16))
+    out = {}
+    for name, p in (("bf16", params), ("fp8", quant.quantize_fp8(params))):
+        tps = espo_decode_tokens_per_s(cfg, p, prompts, new_tokens=new_tokens, repeats=repeats)
+        steps_per_s = tps / batch
+        out[name] = {"tokens_per_s": tps, "GB_per_s": quant.tree_bytes(p) * steps_per_s / 1e9}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new_tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (for tests)")
+    args = ap.parse_args()
+    B, T = (8, 16) if args.quick else (args.batch, args.new_tokens)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = testing.make_hf_checkpoint(
+            tmp, vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=64, init_std=0.02,
+        )  # fmt: skip
+        cfg, params = model.load_hf_checkpoint(path)
+        prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (B, 32))
+        hf_tps = hf_decode_tokens_per_s(path, prompts, new_tokens=T)
+        cfg16 = cfg.replace(param_dtype="bfloat16", dtype="bfloat16")
+        bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        for name, c, p in (
+            ("espo f32", cfg, params),
+            ("espo bf16", cfg16, bf16),
+            ("espo fp8", cfg16, quant.quantize_fp8(bf16)),
+        ):
+            tps = espo_decode_tokens_per_s(c, p, prompts, new_tokens=T)
+            rows.append((f"decode tokens/s, {name} (B={B}, {T} new)", f"{tps:,.0f}",
+                         f"{tps / hf_tps:.2f}x transformers"))  # fmt: skip
+        rows.append(
+            (f"decode tokens/s, transformers generate f32 (B={B})", f"{hf_tps:,.0f}", "1.00x")
+        )
+        mm = fp8_mismatch(cfg, params, prompts, new_tokens=T)
+        rows.append(
+            ("fp8 vs bf16: mean |dlogp| on fp8-sampled tokens", f"{mm['mean_abs_dlogp']:.4f}", "")
+        )
+        rows.append(("fp8 vs bf16: greedy-token agreement", f"{mm['greedy_agreement']:.4f}", ""))
+        rows.append(("fp8 vs bf16: router-id disagreement", f"{mm['router_disagreement']:.4f}", ""))
+        rows.append(
+            (
+                "fp8 weight bytes / bf16 bytes (matmul weights)",
+                f"{mm['weight_bytes_ratio']:.3f}",
+                "",
+            )
+        )
+        pw = padding_waste(
+            num_prompts=16 if args.quick else 64, group_size=4,
+            max_new_tokens=128 if args.quick else 1024,
+        )  # fmt: skip
+        fifo, aware = (
+            pw["fifo"]["rollout/padding_waste"],
+            pw["length_aware"]["rollout/padding_waste"],
+        )
+        rows.append(("padding waste, FIFO (lognormal lengths)", f"{fifo:.3f}", ""))
+        rows.append(("padding waste, length-aware", f"{aware:.3f}", f"{aware / fifo:.2f}x FIFO"))
+        ov = overlap(
+            cfg, params, num_prompts=4 if args.quick else 16, group_size=4, new_tokens=T,
+            sleep_s=0.02 if args.quick else 0.1,
+        )  # fmt: skip
+        rows.append(("overlap: generation only / reward only (s)",
+                     f"{ov['generate_s']:.2f} / {ov['reward_s']:.2f}", ""))  # fmt: skip
+        rows.append(("overlap: wall with both (s)", f"{ov['wall_s']:.2f}",
+                     f"efficiency {ov['efficiency']:.2f} of ideal max(gen, reward)"))  # fmt: skip
+    if jax.default_backend() == "gpu":
+        kind = jax.devices()[0].device_kind
+        big = model.ModelConfig(
+            vocab_size=32000, d_model=2048, num_layers=12, num_heads=16, num_kv_heads=4,
+            head_dim=128, num_experts=16, top_k=2, moe_ffn_dim=1408, qk_norm=True,
+            param_dtype="bfloat16", dtype="bfloat16",
+        )  # fmt: skip
+        bw = gpu_decode_bandwidth(big, batch=8, new_tokens=256)
+        peak = next((v for k, v in PEAK_BANDWIDTH_GBS.items() if k in kind), float("nan"))
+        for name in ("bf16", "fp8"):
+            tps, gbs = bw[name]["tokens_per_s"], bw[name]["GB_per_s"]
+            note = f"{gbs:.0f} GB/s = {gbs / peak:.0%} of peak"
+            rows.append((f"GPU {kind} decode {name} (1.2B MoE, B=8)", f"{tps:,.0f}", note))
+        ratio = bw["fp8"]["tokens_per_s"] / bw["bf16"]["tokens_per_s"]
+        rows.append(("GPU fp8 / bf16 decode throughput", f"{ratio:.2f}x", ""))
+    width = max(len(r[0]) for r in rows)
+    print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>12}  {note}")
+
+
+if __name__ == "__main__":
+    main()
