@@ -1,0 +1,53 @@
+"""The entry point and the configs: every config parses, the tiny variant runs end to end."""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from espo import model
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.py"))
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_config_parses_and_its_model_builds(path):
+    for variant in ("", "tiny"):
+        config = _load(path).get_config(variant)
+        fields = {k: v for k, v in config.model.to_dict().items() if k != "hf_path"}
+        model.ModelConfig(**fields)  # validated
+    with pytest.raises(ValueError, match="variant 'huge' is invalid"):
+        _load(path).get_config("huge")
+
+
+def test_run_tiny_prints_a_summary():
+    result = subprocess.run(
+        [
+            sys.executable, "experiments/run.py", "--config", "configs/default.py:tiny",
+            "--config.demo.new_tokens=3",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "expert load per MoE layer" in result.stdout
+    assert "router replay" in result.stdout or "replayed" in result.stdout
+
+
+def test_run_reports_bad_overrides_by_name():
+    result = subprocess.run(
+        [sys.executable, "experiments/run.py", "--config", "configs/default.py:tiny",
+         "--config.model.top_k=99"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "ModelConfig.top_k=99" in result.stderr
