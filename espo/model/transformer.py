@@ -55,14 +55,17 @@ class Block(nn.Module):
     impl: str
 
     @nn.compact
-    def __call__(self, x, layer_in, ctx):
+    def __call__(self, carry, layer_in, ctx):
+        """carry: (x [B, T, D], whole KV cache or None); layer_in: this layer's scanned inputs."""
         cfg = self.cfg
+        x, kv = carry
         h = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="input_norm")(x)
         a, new_kv = layers.Attention(cfg, name="attn")(
             h,
             positions=ctx["positions"],
             mask=ctx["mask"],
-            kv=layer_in["kv"],
+            kv=kv,
+            layer=layer_in["layer"],
             write_index=ctx["write_index"],
         )
         x = x + a
@@ -76,7 +79,7 @@ class Block(nn.Module):
             )
         else:
             m, extras = layers.SwiGLU(cfg, cfg.dense_ffn_dim, name="mlp")(h), None
-        return x + m, (new_kv, extras)
+        return (x + m, new_kv), extras
 
 
 class Transformer(nn.Module):
@@ -94,11 +97,11 @@ class Transformer(nn.Module):
             cfg.jnp_param_dtype,
         )  # fmt: skip
         x = embed.astype(dt)[tokens]  # [B, T, D]
-        run_kv, run_extras = [], []
+        run_extras = []
         for r, (is_moe, start, length) in enumerate(cfg.layer_runs()):
             take = lambda a, s=start, n=length: None if a is None else a[s : s + n]
             layer_in = {
-                "kv": None if kv is None else (take(kv[0]), take(kv[1])),
+                "layer": jnp.arange(start, start + length, dtype=jnp.int32),
                 "replay_ids": take(routing[0]) if (is_moe and routing) else None,
                 "replay_weights": take(routing[1]) if (is_moe and routing) else None,
             }
@@ -109,10 +112,9 @@ class Transformer(nn.Module):
                 in_axes=(0, nn.broadcast),
                 length=length,
             )
-            x, (new_kv, extras) = scanned(cfg, is_moe, self.mode, self.impl, name=run_name(r))(
-                x, layer_in, ctx
+            (x, kv), extras = scanned(cfg, is_moe, self.mode, self.impl, name=run_name(r))(
+                (x, kv), layer_in, ctx
             )
-            run_kv.append(new_kv)
             run_extras.append((is_moe, length, extras))
         x = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
@@ -123,10 +125,7 @@ class Transformer(nn.Module):
                 cfg.jnp_param_dtype,
             )  # fmt: skip
             logits = x @ w_out.astype(dt)  # [B, T, V]
-        new_kv = None
-        if kv is not None:
-            new_kv = tuple(jnp.concatenate([k[i] for k in run_kv], axis=0) for i in range(2))
-        return logits.astype(jnp.float32), new_kv, run_extras
+        return logits.astype(jnp.float32), kv, run_extras
 
 
 def init(cfg: config_lib.ModelConfig, key: jax.Array) -> dict:

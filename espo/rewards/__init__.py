@@ -8,6 +8,9 @@ per-sample timeout is the pool's business). Modules:
   * `procedural`: exact / numeric match and the format reward.
   * `shaping`: DAPO overlong and repetition penalties added to the verifiable reward.
   * `pool`: the process pool that scores samples with per-sample timeouts.
+  * `reward_model`: advantage-inversion metrics, `adjust_rewards` (correctness tiers, tie
+    dead-zone, ranks) and a Bradley-Terry reward model on the espo backbone.
+  * `judge`: round-robin Better / Tie / Worse rewards from a pairwise generative judge.
 """
 
 import importlib

@@ -1,0 +1,318 @@
+"""Scalar reward models and the adjustment that stops advantage inversion (papers.md §1.5).
+
+This module owns:
+  * the measurement of advantage inversion: `inversion_rate` (per rollout: the advantage's sign
+    against the rollout's true quality relative to its group), `pairwise_inversion_rate` (per
+    within-group pair) and `sign_agreement_rate` (how much correct-sign signal survives, so an
+    adjustment cannot score well by zeroing advantages);
+  * `adjust_rewards`: reward-model scores [P, G] -> rewards [P, G] through three switchable steps
+    configured by `RmAdjustConfig`: a correctness tier, a tie dead-zone and within-tier ranks;
+  * a small Bradley–Terry (BT) reward model on the espo backbone: `init_reward_model`,
+    `reward_scores`, `bradley_terry_loss`, `make_train_step`.
+
+Layout: rewards, scores and advantages are [P, G] (P prompts, G rollouts each, in group order),
+as in `espo.advantages`. Everything is float32, pure and jittable (configs are static).
+
+Why inversion happens: a BT model is trained on orderings only, so its scale is arbitrary and its
+noise is of the order of the score gaps between near-equal responses. GRPO's (r - mean) / std
+blows that noise up to unit-size advantages of random sign in groups whose rollouts are (nearly)
+equally good, and a BT score does not know that a correct answer should outweigh any amount of
+style, so in a group mixing both a correct rollout can sink below the mean. The adjustment puts
+correctness (from the verifier) first, lets the RM order rollouts only within a tier, treats RM
+differences below its noise as ties, and uses ranks, which bound the RM's influence.
+
+The paper's own fix is a generative pairwise judge with an explicit Tie class (`judge.py`);
+this module is the scalar-RM counterpart, whose tie band must be calibrated (see `dead_zone`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math as pymath
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Bool, Float, Int
+
+from espo import model
+
+# ---- measuring inversion ---------------------------------------------------------------------
+
+
+def _signs(x: Float[Array, "P G"], tol: float) -> Int[Array, "P G"]:
+    """-1 / 0 / +1 with |x| <= tol read as 0."""
+    return jnp.where(x > tol, 1, jnp.where(x < -tol, -1, 0))
+
+
+def _check_pair(advantages, true_quality):
+    advantages = jnp.asarray(advantages, jnp.float32)
+    true_quality = jnp.asarray(true_quality, jnp.float32)
+    if advantages.ndim != 2 or advantages.shape != true_quality.shape:
+        raise ValueError(
+            f"advantages and true_quality must both be [P, G]; got {advantages.shape} and "
+            f"{true_quality.shape}"
+        )
+    return advantages, true_quality
+
+
+def inversion_rate(
+    advantages: Float[Array, "P G"],
+    *,
+    true_quality: Float[Array, "P G"],
+    tie_tol: float = 1e-6,
+    adv_tol: float = 1e-6,
+) -> Float[Array, " "]:
+    """Fraction of the P*G rollouts whose advantage points the wrong way.
+
+    With d_i = q_i - mean_group(q), s_q = sign(d_i) where |d_i| <= tie_tol counts as 0 (the
+    rollout is as good as its group's average) and s_A = sign(A_i) where |A_i| <= adv_tol
+    counts as 0 (no push either way), rollout i is inverted when
+      * s_q * s_A < 0: better than its group but pushed down, or worse but pushed up; or
+      * s_q == 0 and s_A != 0: of (near-)mean quality yet pushed, the sign flip of the paper's
+        "equally good responses get +/- advantages".
+    A rollout with s_q != 0 and s_A == 0 is not inverted (its signal is lost, not reversed);
+    `sign_agreement_rate` measures that loss.
+    """
+    advantages, true_quality = _check_pair(advantages, true_quality)
+    s_q = _signs(true_quality - true_quality.mean(-1, keepdims=True), tie_tol)  # [P, G]
+    s_a = _signs(advantages, adv_tol)  # [P, G]
+    inverted = (s_q * s_a < 0) | ((s_q == 0) & (s_a != 0))  # [P, G]
+    return inverted.astype(jnp.float32).mean()
+
+
+def sign_agreement_rate(
+    advantages: Float[Array, "P G"],
+    *,
+    true_quality: Float[Array, "P G"],
+    tie_tol: float = 1e-6,
+    adv_tol: float = 1e-6,
+) -> Float[Array, " "]:
+    """Among rollouts not of mean quality (|q_i - mean| > tie_tol), the fraction whose advantage
+    has the right sign (|A_i| > adv_tol and sign(A_i) == sign(q_i - mean)); 0 when none are."""
+    advantages, true_quality = _check_pair(advantages, true_quality)
+    s_q = _signs(true_quality - true_quality.mean(-1, keepdims=True), tie_tol)  # [P, G]
+    s_a = _signs(advantages, adv_tol)  # [P, G]
+    decided = (s_q != 0).astype(jnp.float32)  # [P, G]
+    right = ((s_q == s_a) & (s_q != 0)).astype(jnp.float32)  # [P, G]
+    return right.sum() / jnp.maximum(decided.sum(), 1.0)
+
+
+def pairwise_inversion_rate(
+    advantages: Float[Array, "P G"],
+    *,
+    true_quality: Float[Array, "P G"],
+    tie_tol: float = 1e-6,
+    adv_tol: float = 1e-6,
+) -> Float[Array, " "]:
+    """Among within-group ordered pairs (q_i - q_j > tie_tol), the fraction with A_j - A_i >
+    adv_tol: the better rollout got the smaller advantage. Pairs whose advantages are equal
+    within adv_tol are not inverted (signal lost, not reversed). Pairs of equal quality are not
+    counted (see `inversion_rate` for them). 0 when no group has an ordered pair."""
+    advantages, true_quality = _check_pair(advantages, true_quality)
+    ordered = (true_quality[:, :, None] - true_quality[:, None, :]) > tie_tol  # [P, G, G]
+    reversed_ = (advantages[:, None, :] - advantages[:, :, None]) > adv_tol  # [P, G, G]
+    num_ordered = ordered.astype(jnp.float32).sum()
+    return (ordered & reversed_).astype(jnp.float32).sum() / jnp.maximum(num_ordered, 1.0)
+
+
+# ---- adjusting RM scores ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RmAdjustConfig:
+    """Switches of `adjust_rewards`; the defaults turn every step on except the dead-zone, whose
+    delta is in the RM's own (arbitrary) units and must be calibrated per reward model."""
+
+    tiered: bool = True  # (a) verified-correct rollouts outrank incorrect ones (needs `correct`)
+    margin: float = 0.05  # (a) RM span inside a tier, r = tier + margin * x; in (0, 0.5)
+    dead_zone: float = 0.0  # (b) delta: RM gaps below it are ties; 0 ties only equal scores
+    rank: bool = True  # (c) x = within-tier rank (ties averaged) mapped to [-1, 1]
+    squash_scale: float = 1.0  # x = tanh((s - tier mean) / squash_scale) when tiered, not rank
+
+    def __post_init__(self) -> None:
+        for name in ("tiered", "rank"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RmAdjustConfig.{name}={getattr(self, name)!r} must be a bool")
+        m = self.margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < 0.5:
+            raise ValueError(
+                f"RmAdjustConfig.margin={m!r} must be in (0, 0.5) so tiers never overlap"
+            )
+        d = self.dead_zone
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < pymath.inf:
+            raise ValueError(f"RmAdjustConfig.dead_zone={d!r} must be in [0, inf)")
+        s = self.squash_scale
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < pymath.inf:
+            raise ValueError(f"RmAdjustConfig.squash_scale={s!r} must be in (0, inf)")
+
+
+def adjust_rewards(
+    rm_scores: Float[Array, "P G"],
+    *,
+    correct: Bool[Array, "P G"] | None,
+    cfg: RmAdjustConfig,
+) -> Float[Array, "P G"]:
+    """Rewards from reward-model scores, built so that RM noise cannot invert advantages.
+
+    Steps, each switchable in `cfg`; the tier of a rollout is `correct` (0 / 1) when
+    cfg.tiered, else 0 for all:
+      (b) dead-zone: within each group and tier, sort the scores and cut between consecutive
+          scores whose gap is >= delta (= cfg.dead_zone); each resulting cluster is a tie and
+          every member gets the cluster's mean score. This is single linkage, so a chain of
+          small gaps can tie scores further apart than delta. Equal scores always tie.
+      (c) rank: x_i = (2 rank_i - n - 1) / (n - 1) in [-1, 1], rank_i the 1-based rank of
+          rollout i among the n rollouts of its group and tier, ties (clusters) given their
+          average rank; x = 0 when n == 1. x sums to 0 over each tier, and a tier that is all
+          one cluster gets x = 0 exactly.
+      (a) tiered: r = tier + margin * x, with x from (c), or x = tanh((s - tier mean of s) /
+          squash_scale) without ranks. As |x| <= 1 and margin < 0.5, a correct rollout always
+          outranks an incorrect one.
+    Without tiers, r = x with ranks, else the (dead-zoned) scores themselves; with every step
+    off (tiered=False, dead_zone=0, rank=False) `adjust_rewards` is the identity.
+
+    Signs after group normalisation: with ranks, mean_group(r) = fraction correct, so for
+    margin < 1/G every correct rollout of a mixed group gets a positive advantage and every
+    incorrect one a negative advantage (without ranks, margin < 1/(2G) is needed). A group whose
+    rollouts are all one tier and one cluster gets equal rewards: a zero-variance group, not
+    random +/- advantages.
+
+    Raises ValueError when cfg.tiered and `correct` is None (use tiered=False without a
+    verifier).
+    """
+    s = jnp.asarray(rm_scores, jnp.float32)  # [P, G]
+    if s.ndim != 2:
+        raise ValueError(f"rm_scores must be [P, G], got shape {s.shape}")
+    if cfg.tiered:
+        if correct is None:
+            raise ValueError(
+                "adjust_rewards: cfg.tiered=True needs `correct` [P, G]; pass the verifier's "
+                "correctness or use RmAdjustConfig(tiered=False)"
+            )
+        if jnp.shape(correct) != s.shape:
+            raise ValueError(f"correct must have shape {s.shape}, got {jnp.shape(correct)}")
+        tier = jnp.asarray(correct).astype(jnp.float32)  # [P, G]
+    else:
+        tier = jnp.zeros_like(s)  # [P, G]
+    cluster, same_cluster = _tie_clusters(s, tier=tier, delta=cfg.dead_zone)
+    values = s
+    if cfg.dead_zone > 0:
+        sizes = same_cluster.astype(jnp.float32).sum(-1)  # [P, G]
+        # Multiply-and-sum, not einsum: a TPU/GPU default-precision matmul would round to bf16.
+        values = (same_cluster * s[:, None, :]).sum(-1) / sizes  # [P, G]
+    same_tier = (tier[:, :, None] == tier[:, None, :]).astype(jnp.float32)  # [P, G, G]
+    tier_size = same_tier.sum(-1)  # [P, G]
+    if cfg.rank:
+        below = (same_tier * (cluster[:, None, :] < cluster[:, :, None])).sum(-1)  # [P, G]
+        size = same_cluster.astype(jnp.float32).sum(-1)  # [P, G]
+        # 2 * rank - n - 1 with rank = below + (size + 1) / 2: integers, so ties give exact 0.
+        x = (2.0 * below + size - tier_size) / jnp.maximum(tier_size - 1.0, 1.0)  # [P, G]
+    elif cfg.tiered:
+        tier_mean = (same_tier * values[:, None, :]).sum(-1) / tier_size  # [P, G]
+        x = jnp.tanh((values - tier_mean) / cfg.squash_scale)  # [P, G]
+    else:
+        return values
+    return tier + cfg.margin * x if cfg.tiered else x
+
+
+def _tie_clusters(s, *, tier, delta):
+    """Cluster ids [P, G] (increasing with tier, then score) and the same-cluster mask [P, G, G]
+    of the dead-zone: consecutive sorted scores of one tier tie when their gap is < delta or 0."""
+    order = jnp.lexsort((s, tier), axis=-1)  # [P, G] tier-major, score-minor
+    s_sorted = jnp.take_along_axis(s, order, axis=-1)  # [P, G]
+    t_sorted = jnp.take_along_axis(tier, order, axis=-1)  # [P, G]
+    gap = jnp.diff(s_sorted, axis=-1)  # [P, G-1]
+    joined = (jnp.diff(t_sorted, axis=-1) == 0) & ((gap < delta) | (gap == 0))  # [P, G-1]
+    starts = jnp.concatenate([jnp.zeros_like(s[:, :1]), (~joined).astype(s.dtype)], -1)
+    cluster_sorted = jnp.cumsum(starts, axis=-1)  # [P, G]
+    cluster = jnp.take_along_axis(cluster_sorted, jnp.argsort(order, axis=-1), axis=-1)  # [P, G]
+    return cluster, cluster[:, :, None] == cluster[:, None, :]
+
+
+# ---- a Bradley–Terry reward model on the espo backbone ---------------------------------------
+#
+# params = {"backbone": espo model params, "head": {"w": [V], "b": []}} and
+#   score = w . logits[last real token] + b.
+# A linear head on the final-position logits is a linear head on the final hidden state h:
+# logits = h W_out (W_out [D, V], or the embedding when tied), so w . logits = (W_out w) . h,
+# and for V >= D with W_out of full rank every linear function of h is reachable (W_out is
+# trained with the backbone). What it costs is computing the [B, T, V] logits, which is wasteful
+# at real vocabulary sizes; a `return_hidden` hook on `model.forward` would avoid that.
+
+
+class PreferenceBatch(NamedTuple):
+    chosen: Int[Array, "B T"]  # the preferred response of each pair (with its prompt)
+    rejected: Int[Array, "B T"]
+    chosen_mask: Bool[Array, "B T"]  # False on padding (left or right)
+    rejected_mask: Bool[Array, "B T"]
+
+
+def init_reward_model(cfg: model.ModelConfig, key: jax.Array) -> dict:
+    """Backbone params from `model.init` and a zero scalar head (every score starts at 0)."""
+    return {
+        "backbone": model.init(cfg, key),
+        "head": {
+            "w": jnp.zeros((cfg.vocab_size,), jnp.float32),
+            "b": jnp.zeros((), jnp.float32),
+        },
+    }
+
+
+def reward_scores(
+    cfg: model.ModelConfig,
+    params: dict,
+    tokens: Int[Array, "B T"],
+    *,
+    attention_mask: Bool[Array, "B T"],
+) -> tuple[Float[Array, " B"], model.ModelAux]:
+    """One scalar per sequence, read at its last real token, and the backbone's router stats."""
+    out = model.forward(cfg, params["backbone"], tokens, attention_mask=attention_mask)
+    T = tokens.shape[1]
+    last = T - 1 - jnp.argmax(attention_mask[:, ::-1], axis=1)  # [B] last True position
+    final = jnp.take_along_axis(out.logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    head = params["head"]
+    return final @ head["w"] + head["b"], out.aux  # [B]
+
+
+def bradley_terry_loss(
+    cfg: model.ModelConfig, params: dict, batch: PreferenceBatch
+) -> tuple[Float[Array, " "], dict]:
+    """mean_b -log sigmoid(r_chosen - r_rejected) + the backbone's router aux loss.
+
+    Both sides go through one forward ([2B, T]), so the router statistics cover both.
+    """
+    B = batch.chosen.shape[0]
+    tokens = jnp.concatenate([batch.chosen, batch.rejected], axis=0)  # [2B, T]
+    mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask], axis=0)  # [2B, T]
+    scores, aux = reward_scores(cfg, params, tokens, attention_mask=mask)  # [2B]
+    margin = scores[:B] - scores[B:]  # [B]
+    bt = jnp.mean(jax.nn.softplus(-margin))  # -log sigmoid(m) = softplus(-m)
+    metrics = {"bt_loss": bt, "accuracy": jnp.mean(margin > 0), "aux_loss": aux.total}
+    return bt + aux.total, metrics
+
+
+def make_train_step(
+    cfg: model.ModelConfig, optimizer: optax.GradientTransformation
+) -> Callable[[dict, optax.OptState, PreferenceBatch], tuple[dict, optax.OptState, dict]]:
+    """A jitted `step(params, opt_state, batch) -> (params, opt_state, metrics)`.
+
+    Raises FloatingPointError at the first non-finite loss, so a diverged run stops loudly
+    (this syncs each step; the model is small).
+    """
+
+    @jax.jit
+    def update(params, opt_state, batch):
+        grad_fn = jax.value_and_grad(lambda p: bradley_terry_loss(cfg, p, batch), has_aux=True)
+        (loss, metrics), grads = grad_fn(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {**metrics, "loss": loss}
+
+    def step(params, opt_state, batch):
+        params, opt_state, metrics = update(params, opt_state, batch)
+        if not bool(jnp.isfinite(metrics["loss"])):
+            raise FloatingPointError(f"non-finite Bradley–Terry loss: {metrics}")
+        return params, opt_state, metrics
+
+    return step
