@@ -39,6 +39,7 @@ class ModelOutput:
     cache: layers.KVCache | None
     router: types.RouterTrace
     aux: ModelAux
+    hidden: Float[Array, "B T D"] | None = None  # final-norm hidden state, if return_hidden
 
 
 def run_name(index: int) -> str:
@@ -117,6 +118,7 @@ class Transformer(nn.Module):
             )
             run_extras.append((is_moe, length, extras))
         x = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="final_norm")(x)
+        hidden = x
         if cfg.tie_embeddings:
             logits = x @ embed.astype(dt).T  # [B, T, V]
         else:
@@ -125,7 +127,7 @@ class Transformer(nn.Module):
                 cfg.jnp_param_dtype,
             )  # fmt: skip
             logits = x @ w_out.astype(dt)  # [B, T, V]
-        return logits.astype(jnp.float32), kv, run_extras
+        return logits.astype(jnp.float32), hidden, kv, run_extras
 
 
 def init(cfg: config_lib.ModelConfig, key: jax.Array) -> dict:
@@ -179,6 +181,7 @@ def forward(
     routing: types.RouterTrace | None = None,
     routing_mode: RoutingMode = RoutingMode.FREE,
     dispatch_impl: str = "auto",
+    return_hidden: bool = False,
 ) -> ModelOutput:
     """Logits, updated cache, router trace and router statistics for `tokens`.
 
@@ -191,6 +194,8 @@ def forward(
       routing: a `RouterTrace` [B, L, T, K] to replay (required unless routing_mode is FREE).
       routing_mode: static; see `RoutingMode`.
       dispatch_impl: static; "auto" (blocked on CPU, ragged elsewhere), "ragged" or "blocked".
+      return_hidden: static; also return the final-norm hidden state [B, T, D] (for value or
+        reward heads).
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
@@ -212,7 +217,7 @@ def forward(
         replay = (to_layer_major(routing.expert_ids), to_layer_major(routing.expert_weights))
     model = Transformer(cfg, routing_mode, dispatch_impl)
     layer_ctx = {k: v for k, v in ctx.items() if k != "kv_positions"}
-    logits, new_kv, run_extras = model.apply(
+    logits, hidden, new_kv, run_extras = model.apply(
         {"params": params}, tokens, ctx=layer_ctx, kv=kv, routing=replay
     )
     new_cache = None
@@ -221,7 +226,13 @@ def forward(
             k=new_kv[0], v=new_kv[1], kv_positions=ctx["kv_positions"], index=cache.index + T
         )
     trace, aux = _collect_routing(cfg, run_extras, batch=B, length=T)
-    return ModelOutput(logits=logits, cache=new_cache, router=trace, aux=aux)
+    return ModelOutput(
+        logits=logits,
+        cache=new_cache,
+        router=trace,
+        aux=aux,
+        hidden=hidden.astype(jnp.float32) if return_hidden else None,
+    )
 
 
 def _collect_routing(cfg, run_extras, *, batch, length):

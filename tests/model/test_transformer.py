@@ -12,7 +12,8 @@ from espo.model import ModelConfig, RoutingMode
 
 CFG = ModelConfig.tiny(num_layers=3, dense_layers=(1,), dense_ffn_dim=48, norm_topk_prob=False)
 forward = jax.jit(
-    functools.partial(model.forward, CFG), static_argnames=("routing_mode", "dispatch_impl")
+    functools.partial(model.forward, CFG),
+    static_argnames=("routing_mode", "dispatch_impl", "return_hidden"),
 )
 
 
@@ -132,3 +133,10 @@ def test_qwen3_30b_a3b_shapes_without_allocation():
     assert out.logits.shape == (2, 64, 151936)
     assert out.router.expert_ids.shape == (2, 48, 64, 8)
     assert out.aux.expert_load.shape == (48, 128)
+
+
+def test_return_hidden_feeds_the_lm_head(params, tokens):
+    out = forward(params, tokens, return_hidden=True)
+    assert out.hidden.shape == (2, 12, CFG.d_model)
+    np.testing.assert_allclose(out.hidden @ params["lm_head"], out.logits, atol=1e-4, rtol=1e-4)
+    assert forward(params, tokens).hidden is None
