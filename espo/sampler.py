@@ -161,7 +161,15 @@ def choose_tokens(logits, key, *, temperature: float, top_p: float, top_k: int):
     if temperature == 0:
         token = jnp.argmax(logp, axis=-1)
     else:
-        token = jax.random.categorical(key, _truncate(logp, top_p=top_p, top_k=top_k), axis=-1)
+        # Inverse-CDF sampling: one uniform per row instead of a Gumbel per vocabulary entry
+        # (the PRNG dominates a CPU decode step otherwise).
+        probs = jnp.exp(_truncate(logp, top_p=top_p, top_k=top_k))  # [R, V], 0 outside
+        cdf = jnp.cumsum(probs, axis=-1)  # [R, V]
+        u = jax.random.uniform(key, (logits.shape[0], 1)) * cdf[:, -1:]  # [R, 1]
+        token = jnp.sum(cdf <= u, axis=-1)  # first index whose cdf exceeds u
+        # Float rounding can land past the last kept token: step back to the largest kept one.
+        last_kept = logits.shape[-1] - 1 - jnp.argmax(probs[:, ::-1] > 0, axis=-1)
+        token = jnp.minimum(token, last_kept)
     token = token.astype(jnp.int32)
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0], entropy
 

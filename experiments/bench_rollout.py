@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
+import pathlib
 import tempfile
 import time
 
@@ -170,6 +172,47 @@ def gpu_decode_bandwidth(cfg, *, batch, new_tokens, repeats=3):
     return out
 
 
+def _config_model(variant):
+    """The `model` section of configs/default.py (variant "" or "tiny")."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
+    spec = importlib.util.spec_from_file_location("espo_default_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant).model
+
+
+def _hf_checkpoint_like(tmp, m):
+    return testing.make_hf_checkpoint(
+        tmp, vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+        head_dim=m.head_dim, num_experts=m.num_experts, num_experts_per_tok=m.top_k,
+        moe_intermediate_size=m.moe_ffn_dim, init_std=0.02,
+    )  # fmt: skip
+
+
+def throughput_rows(variant, *, batch, new_tokens):
+    """espo (f32, bf16, fp8) vs transformers generate on configs/default.py's model."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _hf_checkpoint_like(tmp, _config_model(variant))
+        cfg, params = model.load_hf_checkpoint(path)
+        prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, 32))
+        hf_tps = hf_decode_tokens_per_s(path, prompts, new_tokens=new_tokens)
+        cfg16 = cfg.replace(param_dtype="bfloat16", dtype="bfloat16")
+        bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        name = f"config {variant or 'default'}, B={batch}, {new_tokens} new"
+        for dtype, c, p in (
+            ("espo f32", cfg, params),
+            ("espo bf16", cfg16, bf16),
+            ("espo fp8", cfg16, quant.quantize_fp8(bf16)),
+        ):
+            tps = espo_decode_tokens_per_s(c, p, prompts, new_tokens=new_tokens)
+            rows.append((f"decode tokens/s, {dtype} ({name})", f"{tps:,.0f}",
+                         f"{tps / hf_tps:.2f}x transformers"))  # fmt: skip
+        rows.append((f"decode tokens/s, transformers f32 ({name})", f"{hf_tps:,.0f}", "1.00x"))
+    return rows, cfg, params
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -177,60 +220,41 @@ def main():
     ap.add_argument("--quick", action="store_true", help="smaller workloads (for tests)")
     args = ap.parse_args()
     B, T = (8, 16) if args.quick else (args.batch, args.new_tokens)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = testing.make_hf_checkpoint(
-            tmp, vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=64, init_std=0.02,
-        )  # fmt: skip
-        cfg, params = model.load_hf_checkpoint(path)
-        prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (B, 32))
-        hf_tps = hf_decode_tokens_per_s(path, prompts, new_tokens=T)
-        cfg16 = cfg.replace(param_dtype="bfloat16", dtype="bfloat16")
-        bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-        for name, c, p in (
-            ("espo f32", cfg, params),
-            ("espo bf16", cfg16, bf16),
-            ("espo fp8", cfg16, quant.quantize_fp8(bf16)),
-        ):
-            tps = espo_decode_tokens_per_s(c, p, prompts, new_tokens=T)
-            rows.append((f"decode tokens/s, {name} (B={B}, {T} new)", f"{tps:,.0f}",
-                         f"{tps / hf_tps:.2f}x transformers"))  # fmt: skip
-        rows.append(
-            (f"decode tokens/s, transformers generate f32 (B={B})", f"{hf_tps:,.0f}", "1.00x")
+    rows, cfg, params = throughput_rows("tiny", batch=B, new_tokens=T)
+    if not args.quick:
+        rows += throughput_rows("", batch=B, new_tokens=T)[0]
+    prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (B, 32))
+    mm = fp8_mismatch(cfg, params, prompts, new_tokens=T)
+    rows.append(
+        ("fp8 vs bf16: mean |dlogp| on fp8-sampled tokens", f"{mm['mean_abs_dlogp']:.4f}", "")
+    )
+    rows.append(("fp8 vs bf16: greedy-token agreement", f"{mm['greedy_agreement']:.4f}", ""))
+    rows.append(("fp8 vs bf16: router-id disagreement", f"{mm['router_disagreement']:.4f}", ""))
+    rows.append(
+        (
+            "fp8 weight bytes / bf16 bytes (matmul weights)",
+            f"{mm['weight_bytes_ratio']:.3f}",
+            "",
         )
-        mm = fp8_mismatch(cfg, params, prompts, new_tokens=T)
-        rows.append(
-            ("fp8 vs bf16: mean |dlogp| on fp8-sampled tokens", f"{mm['mean_abs_dlogp']:.4f}", "")
-        )
-        rows.append(("fp8 vs bf16: greedy-token agreement", f"{mm['greedy_agreement']:.4f}", ""))
-        rows.append(("fp8 vs bf16: router-id disagreement", f"{mm['router_disagreement']:.4f}", ""))
-        rows.append(
-            (
-                "fp8 weight bytes / bf16 bytes (matmul weights)",
-                f"{mm['weight_bytes_ratio']:.3f}",
-                "",
-            )
-        )
-        pw = padding_waste(
-            num_prompts=16 if args.quick else 64, group_size=4,
-            max_new_tokens=128 if args.quick else 1024,
-        )  # fmt: skip
-        fifo, aware = (
-            pw["fifo"]["rollout/padding_waste"],
-            pw["length_aware"]["rollout/padding_waste"],
-        )
-        rows.append(("padding waste, FIFO (lognormal lengths)", f"{fifo:.3f}", ""))
-        rows.append(("padding waste, length-aware", f"{aware:.3f}", f"{aware / fifo:.2f}x FIFO"))
-        ov = overlap(
-            cfg, params, num_prompts=4 if args.quick else 16, group_size=4, new_tokens=T,
-            sleep_s=0.02 if args.quick else 0.1,
-        )  # fmt: skip
-        rows.append(("overlap: generation only / reward only (s)",
-                     f"{ov['generate_s']:.2f} / {ov['reward_s']:.2f}", ""))  # fmt: skip
-        rows.append(("overlap: wall with both (s)", f"{ov['wall_s']:.2f}",
-                     f"efficiency {ov['efficiency']:.2f} of ideal max(gen, reward)"))  # fmt: skip
+    )
+    pw = padding_waste(
+        num_prompts=16 if args.quick else 64, group_size=4,
+        max_new_tokens=128 if args.quick else 1024,
+    )  # fmt: skip
+    fifo, aware = (
+        pw["fifo"]["rollout/padding_waste"],
+        pw["length_aware"]["rollout/padding_waste"],
+    )
+    rows.append(("padding waste, FIFO (lognormal lengths)", f"{fifo:.3f}", ""))
+    rows.append(("padding waste, length-aware", f"{aware:.3f}", f"{aware / fifo:.2f}x FIFO"))
+    ov = overlap(
+        cfg, params, num_prompts=4 if args.quick else 16, group_size=4, new_tokens=T,
+        sleep_s=0.02 if args.quick else 0.1,
+    )  # fmt: skip
+    rows.append(("overlap: generation only / reward only (s)",
+                 f"{ov['generate_s']:.2f} / {ov['reward_s']:.2f}", ""))  # fmt: skip
+    rows.append(("overlap: wall with both (s)", f"{ov['wall_s']:.2f}",
+                 f"efficiency {ov['efficiency']:.2f} of ideal max(gen, reward)"))  # fmt: skip
     if jax.default_backend() == "gpu":
         kind = jax.devices()[0].device_kind
         big = model.ModelConfig(

@@ -29,6 +29,7 @@ signal kept); zero_var_groups = fraction of groups whose advantages are all 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -49,8 +50,8 @@ TIE_QUANTILE = 0.9
 
 
 def model_config(**overrides) -> model.ModelConfig:
-    """The tiny MoE, one layer, 64-token vocabulary (V = D: the logit head spans the hidden
-    state); one layer keeps training under ~20 s on 2 CPU cores."""
+    """The tiny MoE (D = 64), one layer, 64-token vocabulary: the task needs no more, and one
+    layer keeps compiling and training to a few seconds on 2 CPU cores."""
     return model.ModelConfig.tiny(**{"vocab_size": 64, "num_layers": 1, **overrides})
 
 
@@ -110,22 +111,34 @@ def train(cfg, *, steps: int, batch_size: int, seed: int, lr: float = 3e-3):
     return params, {k: float(v) for k, v in metrics.items()}
 
 
-def score_fn(cfg):
+def make_scorer(cfg, *, chunk: int = 512):
+    """`score(params, tokens [N, SEQ_LEN], mask) -> np.ndarray [N]` for any N, in chunks of
+    `chunk` rows (the last one padded with copies of row 0), so every call shares one compile."""
     fn = jax.jit(lambda p, t, m: rm.reward_scores(cfg, p, t, attention_mask=m)[0])
-    return lambda params, tokens, mask: np.asarray(fn(params, tokens, mask))
+
+    def score(params, tokens, mask):
+        n = len(tokens)
+        fill = lambda x: np.concatenate([x, np.repeat(x[:1], -n % chunk, axis=0)])
+        tokens, mask = fill(np.asarray(tokens)), fill(np.asarray(mask))
+        out = [fn(params, tokens[i : i + chunk], mask[i : i + chunk]) for i in range(0, n, chunk)]
+        return np.concatenate([np.asarray(o) for o in out])[:n]
+
+    return score
 
 
-def calibrate_dead_zone(cfg, params, *, seed: int, num_pairs: int = 512) -> float:
+def calibrate_dead_zone(
+    score, params, *, seed: int, vocab_size: int, num_pairs: int = 512
+) -> float:
     """delta = TIE_QUANTILE quantile of |s_a - s_b| over held-out pairs of equal quality."""
     ties = sample_pairs(
-        np.random.default_rng(seed + 2), num_pairs, vocab_size=cfg.vocab_size, ordered=False
+        np.random.default_rng(seed + 2), num_pairs, vocab_size=vocab_size, ordered=False
     )
-    scores = score_fn(cfg)
-    gaps = np.abs(
-        scores(params, ties.chosen, ties.chosen_mask)
-        - scores(params, ties.rejected, ties.rejected_mask)
-    )
-    return float(np.quantile(gaps, TIE_QUANTILE))
+    both = score(
+        params,
+        np.concatenate([ties.chosen, ties.rejected]),
+        np.concatenate([ties.chosen_mask, ties.rejected_mask]),
+    )  # [2 * num_pairs]
+    return float(np.quantile(np.abs(both[:num_pairs] - both[num_pairs:]), TIE_QUANTILE))
 
 
 def sample_groups(rng, *, num_prompts: int, group_size: int, vocab_size: int):
@@ -143,36 +156,65 @@ def sample_groups(rng, *, num_prompts: int, group_size: int, vocab_size: int):
     return tokens, mask, correct, quality(correct, styled)
 
 
-def _row(adv, q):
-    adv = np.asarray(adv)
-    mixed = q.max(-1) > q.min(-1)  # groups holding at least two quality levels
+# `evaluate` compiles three jitted helpers once, not ~60 small ops run eagerly (~1 s against
+# ~3 s on 2 CPU cores); one jit over all of it compiles slower still.
+
+ROWS = (
+    "naive BT",
+    "tiered only",
+    "dead-zone only",
+    "rank only",
+    "tiered + rank",
+    "tiered + dead-zone + rank",
+    "pairwise judge (BT, tie band)",
+    "oracle q, adjusted",
+)  # the ways of turning RM scores into advantages, in `_advantage_rows` order
+
+
+@functools.partial(jax.jit, static_argnames="delta")
+def _advantage_rows(scores, judged, *, correct, q, delta: float):
+    """Advantages [P, G] of each of ROWS from RM scores, judge rewards, correctness, quality."""
+    norm = lambda r: advantages.group_normalized(r, eps=1e-6, scale_by_std=True)
+    adjusted = lambda s, **kw: norm(
+        rm.adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig(**kw))
+    )
+    return (
+        norm(scores),
+        adjusted(scores, dead_zone=0.0, rank=False),
+        adjusted(scores, tiered=False, dead_zone=delta, rank=False),
+        adjusted(scores, tiered=False),
+        adjusted(scores),
+        adjusted(scores, dead_zone=delta),
+        norm(judged),
+        adjusted(q),
+    )
+
+
+@jax.jit
+def _columns(adv, q):
+    """The columns of one row but inversion_mixed, for advantages [P, G] and quality [P, G]."""
     return {
-        "inversion": float(rm.inversion_rate(adv, true_quality=q)),
-        "inversion_mixed": float(rm.inversion_rate(adv[mixed], true_quality=q[mixed])),
-        "pairwise": float(rm.pairwise_inversion_rate(adv, true_quality=q)),
-        "agreement": float(rm.sign_agreement_rate(adv, true_quality=q)),
-        "zero_var_groups": float(np.mean(np.all(np.abs(adv) <= 1e-6, axis=-1))),
+        "inversion": rm.inversion_rate(adv, true_quality=q),
+        "pairwise": rm.pairwise_inversion_rate(adv, true_quality=q),
+        "agreement": rm.sign_agreement_rate(adv, true_quality=q),
+        "zero_var_groups": jnp.mean(jnp.all(jnp.abs(adv) <= 1e-6, axis=-1)),
     }
+
+
+_inversion_rate = jax.jit(rm.inversion_rate)
 
 
 def evaluate(scores, *, correct, q, delta: float) -> dict[str, dict[str, float]]:
     """Inversion statistics of each way of turning RM scores [P, G] into advantages."""
-    norm = lambda r: advantages.group_normalized(jnp.asarray(r), eps=1e-6, scale_by_std=True)
-    adjusted = lambda s, **kw: norm(
-        rm.adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig(**kw))
-    )
-    fake = judge.FakeJudge(tie_tol=delta)
-    rows = {
-        "naive BT": norm(scores),
-        "tiered only": adjusted(scores, dead_zone=0.0, rank=False),
-        "dead-zone only": adjusted(scores, tiered=False, dead_zone=delta, rank=False),
-        "rank only": adjusted(scores, tiered=False),
-        "tiered + rank": adjusted(scores),
-        "tiered + dead-zone + rank": adjusted(scores, dead_zone=delta),
-        "pairwise judge (BT, tie band)": norm(judge.judge_groups(scores, fake)),
-        "oracle q, adjusted": adjusted(q),
-    }
-    return {name: _row(adv, q) for name, adv in rows.items()}
+    judged = judge.judge_groups(scores, judge.FakeJudge(tie_tol=delta))  # [P, G], host-side
+    rows = _advantage_rows(scores, judged, correct=correct, q=q, delta=delta)
+    mixed = q.max(-1) > q.min(-1)  # groups holding at least two quality levels
+    out = {}
+    for name, adv in zip(ROWS, rows, strict=True):
+        adv = np.asarray(adv)
+        out[name] = {k: float(v) for k, v in _columns(adv, q).items()}
+        out[name]["inversion_mixed"] = float(_inversion_rate(adv[mixed], true_quality=q[mixed]))
+    return out
 
 
 def run(
@@ -184,19 +226,28 @@ def run(
     batch_size: int = 64,
     cfg: model.ModelConfig | None = None,
 ) -> dict:
-    """Train, calibrate, evaluate: {"rows", "delta", "train" (last metrics), "cfg", "params"}."""
+    """Train, calibrate, evaluate: {"rows", "delta", "train" (last metrics), "cfg", "params",
+    "score" (the compiled `make_scorer`)}."""
     if W_STYLE * group_size >= 1:
         raise ValueError(f"group_size={group_size} needs W_STYLE={W_STYLE} < 1/G")
     cfg = cfg or model_config()
     params, train_metrics = train(cfg, steps=steps, batch_size=batch_size, seed=seed)
-    delta = calibrate_dead_zone(cfg, params, seed=seed)
+    score = make_scorer(cfg)
+    delta = calibrate_dead_zone(score, params, seed=seed, vocab_size=cfg.vocab_size)
     rng = np.random.default_rng(seed + 1)
     tokens, mask, correct, q = sample_groups(
         rng, num_prompts=num_prompts, group_size=group_size, vocab_size=cfg.vocab_size
     )
-    scores = score_fn(cfg)(params, tokens, mask).reshape(num_prompts, group_size)
+    scores = score(params, tokens, mask).reshape(num_prompts, group_size)
     rows = evaluate(scores, correct=correct, q=q, delta=delta)
-    return {"rows": rows, "delta": delta, "train": train_metrics, "cfg": cfg, "params": params}
+    return {
+        "rows": rows,
+        "delta": delta,
+        "train": train_metrics,
+        "cfg": cfg,
+        "params": params,
+        "score": score,
+    }
 
 
 def main() -> None:

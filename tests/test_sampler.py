@@ -149,3 +149,23 @@ def test_continuing_from_a_prefix_equals_one_pass(params):
     np.testing.assert_allclose(rest.logps, whole.logps, atol=1e-4)
     np.testing.assert_allclose(rest.entropies, whole.entropies, atol=1e-4)
     np.testing.assert_array_equal(rest.router.expert_ids, whole.router.expert_ids)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "kept"),
+    [(0, 1.0, [0, 1, 2, 3]), (2, 1.0, [0, 1]), (0, 0.75, [0, 1, 2])],
+)
+def test_choose_tokens_samples_the_truncated_distribution(top_k, top_p, kept):
+    # p = (0.4, 0.3, 0.2, 0.1) at temperature 2 (logits doubled); the nucleus 0.75 keeps 3.
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    logits = jnp.tile(jnp.log(jnp.asarray(probs)) * 2.0, (40_000, 1))
+    tokens, logps, entropies = sampler.choose_tokens(
+        logits, jax.random.key(3), temperature=2.0, top_p=top_p, top_k=top_k
+    )
+    want = np.zeros(4)
+    want[kept] = probs[kept] / probs[kept].sum()
+    freq = np.bincount(np.asarray(tokens), minlength=4) / len(tokens)
+    np.testing.assert_allclose(freq, want, atol=0.01)  # ~4 standard errors
+    # logps / entropies are those of the untruncated tempered distribution.
+    np.testing.assert_allclose(logps, np.log(probs)[np.asarray(tokens)], rtol=1e-5)
+    np.testing.assert_allclose(entropies, -np.sum(probs * np.log(probs)), rtol=1e-5)

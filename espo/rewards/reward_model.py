@@ -233,13 +233,10 @@ def _tie_clusters(s, *, tier, delta):
 
 # ---- a Bradley–Terry reward model on the espo backbone ---------------------------------------
 #
-# params = {"backbone": espo model params, "head": {"w": [V], "b": []}} and
-#   score = w . logits[last real token] + b.
-# A linear head on the final-position logits is a linear head on the final hidden state h:
-# logits = h W_out (W_out [D, V], or the embedding when tied), so w . logits = (W_out w) . h,
-# and for V >= D with W_out of full rank every linear function of h is reachable (W_out is
-# trained with the backbone). What it costs is computing the [B, T, V] logits, which is wasteful
-# at real vocabulary sizes; a `return_hidden` hook on `model.forward` would avoid that.
+# params = {"backbone": espo model params, "head": {"w": [D], "b": []}} and
+#   score = hidden[last real token] . w + b,
+# with hidden the backbone's final-norm hidden state (`model.forward(..., return_hidden=True)`).
+# The LM head's [B, T, V] logits are never used, so under jit XLA drops their matmul.
 
 
 class PreferenceBatch(NamedTuple):
@@ -250,11 +247,15 @@ class PreferenceBatch(NamedTuple):
 
 
 def init_reward_model(cfg: model.ModelConfig, key: jax.Array) -> dict:
-    """Backbone params from `model.init` and a zero scalar head (every score starts at 0)."""
+    """Backbone params from `model.init` and a zero scalar head (every score starts at 0).
+
+    The backbone keeps its (unused) LM head, so it loads from and exports to an espo checkpoint
+    unchanged; a zero head still gets a gradient (the hidden state), the backbone not at step 0.
+    """
     return {
         "backbone": model.init(cfg, key),
         "head": {
-            "w": jnp.zeros((cfg.vocab_size,), jnp.float32),
+            "w": jnp.zeros((cfg.d_model,), jnp.float32),
             "b": jnp.zeros((), jnp.float32),
         },
     }
@@ -267,13 +268,21 @@ def reward_scores(
     *,
     attention_mask: Bool[Array, "B T"],
 ) -> tuple[Float[Array, " B"], model.ModelAux]:
-    """One scalar per sequence, read at its last real token, and the backbone's router stats."""
-    out = model.forward(cfg, params["backbone"], tokens, attention_mask=attention_mask)
+    """One scalar per sequence and the backbone's router stats: score = h_last . w + b.
+
+    h_last is the final-norm hidden state (float32) at the last real token, wherever the padding
+    is (left or right); masked positions are invisible to the real ones, so a sequence scores
+    the same however it is padded. A row with no real token reads position T - 1.
+    """
+    out = model.forward(
+        cfg, params["backbone"], tokens, attention_mask=attention_mask, return_hidden=True
+    )
     T = tokens.shape[1]
     last = T - 1 - jnp.argmax(attention_mask[:, ::-1], axis=1)  # [B] last True position
-    final = jnp.take_along_axis(out.logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    final = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
     head = params["head"]
-    return final @ head["w"] + head["b"], out.aux  # [B]
+    # Multiply-and-sum, not a matmul: a TPU/GPU default-precision dot would round to bf16.
+    return (final * head["w"]).sum(-1) + head["b"], out.aux  # [B]
 
 
 def bradley_terry_loss(

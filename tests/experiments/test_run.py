@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from espo import model
+from espo import losses, model, rollout, zero_variance
+from espo.rewards import reward_model, shaping
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))
@@ -26,6 +27,13 @@ def test_every_config_parses_and_its_model_builds(path):
         config = _load(path).get_config(variant)
         fields = {k: v for k, v in config.model.to_dict().items() if k != "hf_path"}
         model.ModelConfig(**fields)  # validated
+        # Every section maps one to one onto its module's validated dataclass.
+        losses.LossConfig(**config.loss.to_dict(), vocab_size=config.model.vocab_size)
+        zero_variance.ZveConfig(**config.zve.to_dict())
+        shaping.ShapingConfig(**config.reward.shaping.to_dict())
+        reward_model.RmAdjustConfig(**config.reward.rm_adjust.to_dict())
+        sampling = {k: config.rollout[k] for k in ("max_new_tokens", "temperature", "top_p")}
+        rollout.SamplingParams(**sampling, top_k=config.rollout.top_k, eos_id=1, pad_id=0)
     with pytest.raises(ValueError, match="variant 'huge' is invalid"):
         _load(path).get_config("huge")
 

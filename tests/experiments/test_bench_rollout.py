@@ -1,0 +1,42 @@
+"""The rollout benchmark's pieces run (numbers are reported by the script, not asserted here)."""
+
+import importlib.util
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from espo import model
+
+PATH = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "bench_rollout.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_rollout", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_bandwidth_path_runs_on_a_tiny_config(bench):
+    cfg = model.ModelConfig.tiny(param_dtype="bfloat16", dtype="bfloat16")
+    out = bench.gpu_decode_bandwidth(cfg, batch=2, new_tokens=16, repeats=1)
+    for name in ("bf16", "fp8"):
+        assert out[name]["tokens_per_s"] > 0 and out[name]["GB_per_s"] > 0
+
+
+def test_padding_waste_section_length_aware_beats_fifo(bench):
+    pw = bench.padding_waste(num_prompts=16, group_size=2, max_new_tokens=128)
+    aware = pw["length_aware"]["rollout/padding_waste"]
+    assert aware < pw["fifo"]["rollout/padding_waste"]
+
+
+def test_fp8_mismatch_section(bench):
+    cfg = model.ModelConfig.tiny()
+    params = model.init(cfg, jax.random.key(0))
+    prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (2, 8))
+    mm = bench.fp8_mismatch(cfg, params, prompts, new_tokens=8)
+    assert 0 <= mm["mean_abs_dlogp"] < 0.5 and 0.5 < mm["greedy_agreement"] <= 1
+    assert 0 <= mm["router_disagreement"] < 0.5 and mm["weight_bytes_ratio"] <= 0.55
