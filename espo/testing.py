@@ -174,3 +174,25 @@ class CountingModel:
         ids = (tokens % 3)[:, None, :, None].astype(jnp.int32)  # [B, 1, T, 1]
         router = types.RouterTrace(expert_ids=ids, expert_weights=jnp.ones(ids.shape))
         return transformer.ModelOutput(logits=logits, cache=cache, router=router, aux=None)
+
+
+def _load_slowly(seconds: float):
+    time.sleep(seconds)
+    return length_reward
+
+
+class SlowLoadingReward:
+    """Pickles to a reward function whose loading (in the worker) takes `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return (_load_slowly, (self.seconds,))
+
+
+class UnloadableReward:
+    """Pickles to something that kills the worker process while it is being loaded."""
+
+    def __reduce__(self):
+        return (os._exit, (5,))

@@ -29,10 +29,16 @@ import numpy as np
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 STATUSES = ("ok", "timeout", "error", "crash", "invalid")
+MAX_START_FAILURES = 3  # consecutive workers that die before "ready": the pool gives up
 
 
 def _worker_main(conn, reward_fn: RewardFn) -> None:
-    """Worker loop: receive (task_id, prompt, completion, meta), send (task_id, status, value)."""
+    """Worker loop: receive (task_id, prompt, completion, meta), send (task_id, status, value).
+
+    The reward function (and whatever it imports) was unpickled before this runs; "ready" tells
+    the dispatcher so, so start-up time never counts against a sample's timeout.
+    """
+    conn.send((None, "ready", None))
     while True:
         try:
             task = conn.recv()
@@ -58,6 +64,7 @@ def _worker_main(conn, reward_fn: RewardFn) -> None:
 class _Worker:
     process: Any
     conn: Any
+    ready: bool = False
     task: int | None = None
     started: float = 0.0
 
@@ -97,6 +104,8 @@ class RewardPool:
         self._closed = False
         self._counts = collections.Counter()
         self._busy_s = 0.0
+        self._start_failures = 0
+        self._broken: str | None = None
         self._workers = [self._start_worker() for _ in range(num_workers)]
         self._thread = threading.Thread(target=self._dispatch, name="reward-pool", daemon=True)
         self._thread.start()
@@ -196,41 +205,68 @@ class RewardPool:
             with self._lock:
                 if self._closed and not self._queue and all(w.task is None for w in self._workers):
                     return
+                if self._broken is not None:
+                    self._fail_queue()
                 for w in self._workers:
-                    if w.task is None and self._queue:
+                    if w.ready and w.task is None and self._queue:
                         task_id, (prompt, completion, meta) = self._queue.popleft()
                         w.task, w.started = task_id, time.monotonic()
                         w.conn.send((task_id, prompt, completion, dict(meta)))
-            busy = [i for i, w in enumerate(self._workers) if w.task is not None]
-            if not busy:
+            watched = [i for i, w in enumerate(self._workers) if w.task is not None or not w.ready]
+            if not watched:
                 with self._lock:
                     if not self._queue and not self._closed:
                         self._lock.wait(0.05)
                 continue
-            waitables = {self._workers[i].conn: i for i in busy}
-            waitables.update({self._workers[i].process.sentinel: i for i in busy})
+            waitables = {self._workers[i].conn: i for i in watched}
+            waitables.update({self._workers[i].process.sentinel: i for i in watched})
+            busy = [i for i in watched if self._workers[i].task is not None]
             now = time.monotonic()
-            next_deadline = min(self._workers[i].started + self._timeout for i in busy)
-            ready = connection.wait(
-                list(waitables), timeout=max(0.0, min(next_deadline - now, 0.05))
+            next_deadline = min(
+                (self._workers[i].started + self._timeout for i in busy), default=now
             )
+            timeout = max(0.0, min(next_deadline - now, 0.05)) if busy else 0.05
             handled = set()
-            for obj in ready:
+            for obj in connection.wait(list(waitables), timeout=timeout):
                 i = waitables[obj]
                 if i in handled:
                     continue
                 handled.add(i)
-                w = self._workers[i]
-                try:
-                    task_id, status, value = w.conn.recv()
-                except (EOFError, OSError):
-                    w.process.join(timeout=2)  # EOF can arrive before the process is reaped
-                    code = w.process.exitcode
-                    self._replace(i, "crash", f"worker process died (exit code {code})")
-                    continue
-                self._finish(w, status, value)
+                self._receive(i)
             now = time.monotonic()
             for i in busy:
                 w = self._workers[i]
                 if i not in handled and w.task is not None and now - w.started > self._timeout:
                     self._replace(i, "timeout", f"no result after {self._timeout}s")
+
+    def _receive(self, i: int) -> None:
+        """Handle a readable pipe or a dead process of worker i."""
+        w = self._workers[i]
+        try:
+            task_id, status, value = w.conn.recv()
+        except (EOFError, OSError):
+            w.process.join(timeout=2)  # EOF can arrive before the process is reaped
+            detail = f"worker process died (exit code {w.process.exitcode})"
+            if w.task is not None:
+                self._start_failures = 0
+                self._replace(i, "crash", detail)
+                return
+            self._start_failures += 1  # died before "ready": the reward fn cannot load
+            if self._start_failures >= MAX_START_FAILURES:
+                self._broken = f"reward workers fail to start: {detail}"
+            self._stop_worker(w, graceful=False)
+            self._workers[i] = self._start_worker()
+            return
+        if status == "ready":
+            w.ready = True
+            self._start_failures = 0
+        else:
+            self._finish(w, status, value)
+
+    def _fail_queue(self) -> None:
+        """Give every queued task an error (called with the lock held)."""
+        while self._queue:
+            task_id, _ = self._queue.popleft()
+            self._results[task_id] = ("error", self._broken)
+            self._counts["error"] += 1
+        self._lock.notify_all()

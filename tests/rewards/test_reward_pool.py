@@ -48,3 +48,17 @@ def test_invalid_arguments():
         pool.RewardPool(testing.length_reward, num_workers=0)
     with pytest.raises(ValueError, match="timeout_s=0"):
         pool.RewardPool(testing.length_reward, timeout_s=0)
+
+
+def test_worker_start_up_does_not_count_against_the_timeout():
+    # Loading the reward function takes 1.5 s in each worker; the per-sample limit is 1 s.
+    with pool.RewardPool(testing.SlowLoadingReward(1.5), num_workers=2, timeout_s=1.0) as p:
+        res = p.score([("p", "abc", {})] * 3, timeout=60)
+    assert res.status == ("ok",) * 3
+
+
+def test_a_reward_function_that_cannot_load_fails_its_tasks_clearly():
+    with pool.RewardPool(testing.UnloadableReward(), num_workers=1, timeout_s=5) as p:
+        res = p.score([("p", "abc", {})] * 2, timeout=120)
+    assert res.status == ("error", "error")
+    assert "reward workers fail to start" in res.detail[0] and "exit code 5" in res.detail[0]
