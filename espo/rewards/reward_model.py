@@ -7,8 +7,8 @@ This module owns:
     adjustment cannot score well by zeroing advantages);
   * `adjust_rewards`: reward-model scores [P, G] -> rewards [P, G] through three switchable steps
     configured by `RmAdjustConfig`: a correctness tier, a tie dead-zone and within-tier ranks;
-  * a small Bradley–Terry (BT) reward model on the espo backbone: `init_reward_model`,
-    `reward_scores`, `bradley_terry_loss`, `make_train_step`.
+  * a small Bradley–Terry (BT) reward model, a scalar head on the espo backbone's final hidden
+    state: `init_reward_model`, `reward_scores`, `bradley_terry_loss`, `make_train_step`.
 
 Layout: rewards, scores and advantages are [P, G] (P prompts, G rollouts each, in group order),
 as in `espo.advantages`. Everything is float32, pure and jittable (configs are static).
@@ -236,7 +236,8 @@ def _tie_clusters(s, *, tier, delta):
 # params = {"backbone": espo model params, "head": {"w": [D], "b": []}} and
 #   score = hidden[last real token] . w + b,
 # with hidden the backbone's final-norm hidden state (`model.forward(..., return_hidden=True)`).
-# The LM head's [B, T, V] logits are never used, so under jit XLA drops their matmul.
+# The backbone's LM head is dead code for the score: under jit the [B, T, V] logits are never
+# built (not even lowered), which matters at real vocabulary sizes.
 
 
 class PreferenceBatch(NamedTuple):
@@ -249,8 +250,8 @@ class PreferenceBatch(NamedTuple):
 def init_reward_model(cfg: model.ModelConfig, key: jax.Array) -> dict:
     """Backbone params from `model.init` and a zero scalar head (every score starts at 0).
 
-    The backbone keeps its (unused) LM head, so it loads from and exports to an espo checkpoint
-    unchanged; a zero head still gets a gradient (the hidden state), the backbone not at step 0.
+    The backbone is a plain espo parameter tree, unused LM head included, so an espo checkpoint
+    loads into it as is. With w = 0 the backbone gets no BT gradient until w has moved (step 1).
     """
     return {
         "backbone": model.init(cfg, key),
@@ -281,7 +282,7 @@ def reward_scores(
     last = T - 1 - jnp.argmax(attention_mask[:, ::-1], axis=1)  # [B] last True position
     final = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
     head = params["head"]
-    # Multiply-and-sum, not a matmul: a TPU/GPU default-precision dot would round to bf16.
+    # Multiply-and-sum, not a matvec: a default-precision dot may run in bf16 (TPU) / tf32 (GPU).
     return (final * head["w"]).sum(-1) + head["b"], out.aux  # [B]
 
 
