@@ -30,6 +30,11 @@ setuptools.setup(
             "ruff>=0.8,<1",
             "torch==2.13.0",
             "transformers>=4.51,<6",
+            # notebooks/ are executed by tests/notebooks.
+            "nbclient>=0.10,<0.12",
+            "nbformat>=5.10,<6",
+            "ipykernel>=6.29,<8",
+            "jupyter-client>=8,<9",
         ],
     },
 )
