@@ -62,3 +62,18 @@ def test_a_reward_function_that_cannot_load_fails_its_tasks_clearly():
         res = p.score([("p", "abc", {})] * 2, timeout=120)
     assert res.status == ("error", "error")
     assert "reward workers fail to start" in res.detail[0] and "exit code 5" in res.detail[0]
+
+
+def test_math_verify_runs_in_the_pool():
+    """math-verify times itself out with signal.alarm: it must run in a worker's main thread."""
+    from espo.rewards import math as math_rewards
+
+    items = [
+        ("q", r"so the answer is \boxed{\frac{1}{2}}", {"answer": "0.5"}),
+        ("q", r"\boxed{3}", {"answer": "4"}),
+        ("q", "no answer at all", {"answer": "4"}),
+    ]
+    with pool.RewardPool(math_rewards.math_reward, num_workers=1, timeout_s=30) as p:
+        res = p.score(items, timeout=120)
+    assert res.status == ("ok", "ok", "ok")
+    np.testing.assert_array_equal(res.rewards, [1.0, 0.0, 0.0])
