@@ -46,7 +46,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.aux_loss_coef = 0.001  # load-balancing loss weight
     c.model.z_loss_coef = 0.0  # router z-loss weight
 
-    # ---- rollout: espo.rollout.SamplingParams + scheduling (names as in vLLM / verl) ----------
+    # ---- rollout: espo.sampler.SamplingParams + scheduling (names as in vLLM / verl) ----------
     c.rollout = ml_collections.ConfigDict()
     c.rollout.max_new_tokens = 1024  # hard cap on completion length (the only truncation)
     c.rollout.temperature = 1.0  # sampling temperature (0 = greedy)

@@ -63,11 +63,16 @@ class Fp8Tensor:
         """The dequantized weight: values * scales in float32, then cast to `dtype`."""
         lead, rows, cols = _canonical_shape(self.shape, self.num_in_axes, self.num_out_axes)
         v = self.values.reshape(*lead, rows, cols).astype(jnp.float32)
-        s = self.scales
-        if self.block:
-            s = jnp.repeat(jnp.repeat(s, self.block, axis=-2), self.block, axis=-1)
-            s = s[..., :rows, :cols]
+        s = _expand_scales(self.scales, self.block, rows=rows, cols=cols)
         return (v * s).astype(dtype).reshape(self.shape)
+
+
+def _expand_scales(scales, block: int, *, rows: int, cols: int):
+    """Per-block scales [*lead, nr, nc] repeated to [*lead, rows, cols]; channel ones as is."""
+    if not block:
+        return scales
+    full = jnp.repeat(jnp.repeat(scales, block, axis=-2), block, axis=-1)
+    return full[..., :rows, :cols]
 
 
 def _canonical_shape(shape, num_in, num_out):
@@ -98,8 +103,7 @@ def quantize_tensor(
         amax = jnp.max(tiles, axis=(-3, -1))  # [*lead, nr, nc]
     # An all-zero channel / block gets scale 1 (amax / 448 could be subnormal: flushed to 0).
     scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    full = scales if not block else jnp.repeat(jnp.repeat(scales, block, -2), block, -1)
-    full = full[..., :rows, :cols] if block else full
+    full = _expand_scales(scales, block, rows=rows, cols=cols)
     values = jnp.clip(x / full, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).reshape(w.shape)
     return Fp8Tensor(
         values=values,

@@ -31,29 +31,6 @@ from espo.rewards import pool as pool_lib
 SCHEDULES = ("length_aware", "fifo")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """How completions are sampled (names as in vLLM / verl rollout configs)."""
-
-    max_new_tokens: int  # hard cap on completion length (the only truncation)
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass kept
-    top_k: int = 0  # 0 = no top-k truncation
-    eos_id: int  # end-of-sequence token
-    pad_id: int  # padding token
-
-    def __post_init__(self):
-        checks = {
-            "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
-            "temperature": (self.temperature >= 0, ">= 0"),
-            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
-            "top_k": (self.top_k >= 0, ">= 0"),
-        }
-        for field, (ok, valid) in checks.items():
-            if not ok:
-                raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {valid}")
-
-
 @dataclasses.dataclass
 class _Buffers:
     """Per-request host buffers in the final [N, ...] layout."""
@@ -76,7 +53,7 @@ def generate_and_score(
     metas: Sequence[Mapping],
     group_sizes: int | Sequence[int],
     key: jax.Array,
-    sampling: SamplingParams,
+    sampling: sampler.SamplingParams,
     buckets: scheduling.LengthBuckets,
     max_chunk_size: int,
     reward_pool: pool_lib.RewardPool,

@@ -34,12 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import types
+from espo import scheduling, types
 from espo.model import config as config_lib
 from espo.model import layers, transformer
 
-DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-DEFAULT_GENERATION_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_BUCKETS = scheduling.LengthBuckets(
+    prompt_buckets=scheduling.geometric_buckets(min_size=16, max_size=8192),
+    generation_buckets=scheduling.geometric_buckets(min_size=16, max_size=32768),
+)
 
 _NUM_TRACES = 0  # incremented each time the jitted sampler is traced (= compiled)
 
@@ -75,12 +77,27 @@ class SampleOutput:
         )
 
 
-def bucket_for(length: int, buckets: tuple[int, ...], *, what: str) -> int:
-    """The smallest bucket >= length."""
-    for b in sorted(buckets):
-        if b >= length:
-            return b
-    raise ValueError(f"{what}={length} exceeds the largest bucket {max(buckets)} of {buckets}")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How completions are sampled (names as in vLLM / verl rollout configs)."""
+
+    max_new_tokens: int  # hard cap on completion length (the only truncation)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept
+    top_k: int = 0  # 0 = no top-k truncation
+    eos_id: int  # end-of-sequence token
+    pad_id: int  # padding token
+
+    def __post_init__(self):
+        checks = {
+            "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
+            "temperature": (self.temperature >= 0, ">= 0"),
+            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
+            "top_k": (self.top_k >= 0, ">= 0"),
+        }
+        for field, (ok, valid) in checks.items():
+            if not ok:
+                raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {valid}")
 
 
 class SamplingModel(Protocol):
@@ -348,8 +365,7 @@ def sample(
     top_k: int = 0,
     eos_id: int,
     pad_id: int,
-    prompt_buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS,
-    generation_buckets: tuple[int, ...] = DEFAULT_GENERATION_BUCKETS,
+    buckets: scheduling.LengthBuckets = DEFAULT_BUCKETS,
 ) -> SampleOutput:
     """`num_samples` completions of each prompt (rows prompt-major), stopping at EOS.
 
@@ -358,28 +374,28 @@ def sample(
       prompt_tokens: [B, T] right-padded (or unpadded) prompts; `prompt_lengths` [B] real lengths.
       max_new_tokens: the generation budget; rounded up to a generation bucket for the buffer
         shape, but no sequence generates more than `max_new_tokens` tokens.
-      temperature / top_p / top_k: sampling settings (temperature 0 = greedy).
+      temperature / top_p / top_k: sampling settings (temperature 0 = greedy), validated as
+        `SamplingParams`.
+      buckets: the prompt and generation lengths compiled for.
     """
+    sp = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        eos_id=eos_id, pad_id=pad_id,
+    )  # fmt: skip
     if num_samples < 1:
         raise ValueError(f"num_samples={num_samples} is invalid: >= 1")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: >= 1")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(
-            f"temperature={temperature}, top_p={top_p}, top_k={top_k} invalid: "
-            "temperature >= 0, 0 < top_p <= 1, top_k >= 0"
-        )
     lengths = np.asarray(prompt_lengths)
     if lengths.min() < 1:
         raise ValueError(f"prompt_lengths must be >= 1, got min {lengths.min()}")
-    width = bucket_for(int(lengths.max()), prompt_buckets, what="prompt length")
-    gen_len = bucket_for(max_new_tokens, generation_buckets, what="max_new_tokens")
-    prompts, mask = left_pad(prompt_tokens, lengths, width=width, pad_id=pad_id)
+    buckets.check_max_new_tokens(sp.max_new_tokens)
+    width = buckets.prompt_bucket(int(lengths.max()))
+    gen_len = buckets.generation_bucket(sp.max_new_tokens)
+    prompts, mask = left_pad(prompt_tokens, lengths, width=width, pad_id=sp.pad_id)
     if isinstance(model, config_lib.ModelConfig):
         model = EspoModel(model)
     return sample_chunk(
         model, params, jnp.asarray(prompts), jnp.asarray(mask), key,
-        jnp.asarray(max_new_tokens, jnp.int32),
-        num_samples=num_samples, gen_len=gen_len, temperature=float(temperature),
-        top_p=float(top_p), top_k=int(top_k), ids=(int(eos_id), int(pad_id)),
+        jnp.asarray(sp.max_new_tokens, jnp.int32),
+        num_samples=num_samples, gen_len=gen_len, temperature=float(sp.temperature),
+        top_p=float(sp.top_p), top_k=int(sp.top_k), ids=(int(sp.eos_id), int(sp.pad_id)),
     )  # fmt: skip

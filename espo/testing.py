@@ -90,7 +90,6 @@ def hf_forward(path, tokens: np.ndarray, *, attention_mask=None, position_ids=No
             attention_mask=as_t(attention_mask),
             position_ids=as_t(position_ids),
         )
-    del transformers
     return out.logits.float().numpy(), picked
 
 

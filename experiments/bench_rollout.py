@@ -48,7 +48,9 @@ def espo_decode_tokens_per_s(cfg, params, prompts, *, new_tokens, repeats=2):
     run = functools.partial(
         sampler.sample, cfg, params, prompts, lengths, key=jax.random.key(0), num_samples=1,
         max_new_tokens=new_tokens, eos_id=-1, pad_id=0,
-        prompt_buckets=(prompts.shape[1],), generation_buckets=(new_tokens,),
+        buckets=scheduling.LengthBuckets(
+            prompt_buckets=(prompts.shape[1],), generation_buckets=(new_tokens,)
+        ),
     )  # fmt: skip
     return len(prompts) * new_tokens / _timed(lambda: run().tokens, repeats)
 
@@ -57,7 +59,6 @@ def hf_decode_tokens_per_s(path, prompts, *, new_tokens, repeats=2):
     import torch
     import transformers
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.as_tensor(prompts, dtype=torch.long)
 
@@ -72,6 +73,12 @@ def hf_decode_tokens_per_s(path, prompts, *, new_tokens, repeats=2):
     return len(prompts) * new_tokens / _timed(run, repeats)
 
 
+def _as_bf16(cfg, params):
+    """The bf16 copy of a model: (config, params) with bfloat16 storage and compute."""
+    cfg16 = cfg.replace(param_dtype="bfloat16", dtype="bfloat16")
+    return cfg16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+
+
 def _greedy_agreement(cfg, params_a, params_b, tokens, mask):
     fwd = jax.jit(functools.partial(model.forward, cfg))
     a = jnp.argmax(fwd(params_a, tokens, attention_mask=mask).logits, -1)
@@ -81,8 +88,7 @@ def _greedy_agreement(cfg, params_a, params_b, tokens, mask):
 
 def fp8_mismatch(cfg, params, prompts, *, new_tokens):
     """FP8-sampled tokens scored by the bf16 model: |dlogp|, greedy agreement, router flips."""
-    cfg16 = cfg.replace(param_dtype="bfloat16", dtype="bfloat16")
-    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    cfg16, bf16 = _as_bf16(cfg, params)
     q = quant.quantize_fp8(bf16)
     lengths = np.full(len(prompts), prompts.shape[1])
     out = sampler.sample(
@@ -117,7 +123,7 @@ def padding_waste(*, num_prompts, group_size, max_new_tokens, seed=0):
     buckets = scheduling.LengthBuckets(
         prompt_buckets=(8,), generation_buckets=(*gens, max_new_tokens)
     )
-    sampling = rollout.SamplingParams(max_new_tokens=max_new_tokens, eos_id=vocab - 1, pad_id=0)
+    sampling = sampler.SamplingParams(max_new_tokens=max_new_tokens, eos_id=vocab - 1, pad_id=0)
     predictor = scheduling.LengthPredictor(default_length=max_new_tokens / 4)
     out = {}
     with pool_lib.RewardPool(testing.length_reward, num_workers=1, timeout_s=60) as pool:
@@ -138,7 +144,7 @@ def overlap(cfg, params, *, num_prompts, group_size, new_tokens, sleep_s):
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(2, cfg.vocab_size, 12)) for _ in range(num_prompts)]
     buckets = scheduling.LengthBuckets(prompt_buckets=(16,), generation_buckets=(new_tokens,))
-    sampling = rollout.SamplingParams(max_new_tokens=new_tokens, eos_id=-1, pad_id=0)
+    sampling = sampler.SamplingParams(max_new_tokens=new_tokens, eos_id=-1, pad_id=0)
     n = num_prompts * group_size
 
     def run(pool, meta):
@@ -198,8 +204,7 @@ def throughput_rows(variant, *, batch, new_tokens):
         cfg, params = model.load_hf_checkpoint(path)
         prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, 32))
         hf_tps = hf_decode_tokens_per_s(path, prompts, new_tokens=new_tokens)
-        cfg16 = cfg.replace(param_dtype="bfloat16", dtype="bfloat16")
-        bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        cfg16, bf16 = _as_bf16(cfg, params)
         name = f"config {variant or 'default'}, B={batch}, {new_tokens} new"
         for dtype, c, p in (
             ("espo f32", cfg, params),

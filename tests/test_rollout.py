@@ -6,12 +6,12 @@ import jax
 import numpy as np
 import pytest
 
-from espo import rollout, scheduling, testing
+from espo import rollout, sampler, scheduling, testing
 from espo.rewards import pool as pool_lib
 
 V = 64
 EOS = V - 1
-SAMPLING = rollout.SamplingParams(max_new_tokens=40, eos_id=EOS, pad_id=0)
+SAMPLING = sampler.SamplingParams(max_new_tokens=40, eos_id=EOS, pad_id=0)
 BUCKETS = scheduling.LengthBuckets(prompt_buckets=(4, 8), generation_buckets=(8, 16, 32, 48))
 
 
@@ -103,7 +103,7 @@ def test_bad_arguments(reward_pool):
     with pytest.raises(ValueError, match="schedule='lifo'"):
         _run(reward_pool, testing.CountingModel(vocab=V), schedule="lifo")
     with pytest.raises(ValueError, match="SamplingParams.top_p=0"):
-        rollout.SamplingParams(max_new_tokens=4, top_p=0, eos_id=1, pad_id=0)
-    big = rollout.SamplingParams(max_new_tokens=100, eos_id=EOS, pad_id=0)
+        sampler.SamplingParams(max_new_tokens=4, top_p=0, eos_id=1, pad_id=0)
+    big = sampler.SamplingParams(max_new_tokens=100, eos_id=EOS, pad_id=0)
     with pytest.raises(ValueError, match="max_new_tokens=100"):
         _run(reward_pool, testing.CountingModel(vocab=V), sampling=big)

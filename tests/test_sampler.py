@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo import model, quant, sampler, testing
+from espo import model, quant, sampler, scheduling, testing
 
 EOS, PAD = 5, 0
 
@@ -17,7 +17,7 @@ def test_fake_model_exact_sequences_eos_and_trace():
     out = sampler.sample(
         testing.CountingModel(), None, prompts, np.array([2, 3]), key=jax.random.key(0),
         num_samples=2, max_new_tokens=5, eos_id=EOS, pad_id=PAD,
-        prompt_buckets=(4,), generation_buckets=(8,),
+        buckets=scheduling.LengthBuckets(prompt_buckets=(4,), generation_buckets=(8,)),
     )  # fmt: skip
     # Prompt 0 ends with 2 -> 3, 4, 5 (EOS). Prompt 1 ends with 6 -> 7, 0, 1, 2, 3 (budget 5).
     want = [[3, 4, 5, PAD, PAD, PAD, PAD, PAD]] * 2 + [[7, 0, 1, 2, 3, PAD, PAD, PAD]] * 2
@@ -122,10 +122,13 @@ def test_buckets_bound_compiles_and_budget(params):
     )  # fmt: skip
     assert sampler.compile_count() == before
     assert out.tokens.shape == (6, 16) and int(out.lengths.max()) <= 10
-    with pytest.raises(ValueError, match="prompt length=40 exceeds the largest bucket 32"):
+    with pytest.raises(
+        ValueError, match=r"prompt length 40 exceeds the largest bucket 32 of \(16, 32\)"
+    ):
         sampler.sample(
             CFG, params, np.ones((1, 40), int), np.array([40]), key=jax.random.key(0),
-            num_samples=1, max_new_tokens=4, eos_id=1, pad_id=0, prompt_buckets=(16, 32),
+            num_samples=1, max_new_tokens=4, eos_id=1, pad_id=0,
+            buckets=scheduling.LengthBuckets(prompt_buckets=(16, 32), generation_buckets=(16,)),
         )  # fmt: skip
 
 

@@ -60,7 +60,6 @@ def route(
     if mode is RoutingMode.FREE:
         weights, ids = jax.lax.top_k(probs, top_k)  # [M, K]
         ids = ids.astype(jnp.int32)
-        valid = jnp.ones_like(weights)
     else:
         if replay_ids is None:
             raise ValueError(f"routing_mode={mode.name} needs `routing` (a RouterTrace)")
@@ -71,8 +70,9 @@ def route(
             return ids, weights
         weights = jnp.take_along_axis(probs, jnp.maximum(ids, 0), axis=-1) * valid  # [M, K]
     if norm_topk_prob:
+        # Renormalising keeps the zero weight of unrecorded (-1) ids at zero.
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
-    return ids, weights * valid
+    return ids, weights
 
 
 def _swiglu_rows(h_gate, h_up):

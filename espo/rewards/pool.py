@@ -133,9 +133,7 @@ class RewardPool:
                 self._lock.wait(remaining if remaining is not None else 0.5)
             done = [self._results.pop(t) for t in task_ids]
         ok = np.array([s == "ok" for s, _ in done], bool)
-        rewards = np.array(
-            [v if s == "ok" else self._failed_reward for s, v in done], np.float32
-        ).reshape(len(done))
+        rewards = np.array([v if s == "ok" else self._failed_reward for s, v in done], np.float32)
         return RewardResults(
             rewards=rewards,
             ok=ok,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from espo import losses, model, rollout, zero_variance
+from espo import losses, model, sampler, zero_variance
 from espo.rewards import reward_model, shaping
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def test_every_config_parses_and_its_model_builds(path):
         shaping.ShapingConfig(**config.reward.shaping.to_dict())
         reward_model.RmAdjustConfig(**config.reward.rm_adjust.to_dict())
         sampling = {k: config.rollout[k] for k in ("max_new_tokens", "temperature", "top_p")}
-        rollout.SamplingParams(**sampling, top_k=config.rollout.top_k, eos_id=1, pad_id=0)
+        sampler.SamplingParams(**sampling, top_k=config.rollout.top_k, eos_id=1, pad_id=0)
     with pytest.raises(ValueError, match="variant 'huge' is invalid"):
         _load(path).get_config("huge")
 
