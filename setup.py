@@ -27,6 +27,8 @@ setuptools.setup(
         # ships with the machine image so that no multi-GB GPU build is pulled on a CPU host.
         "test": [
             "pytest>=8,<10",
+            "pytest-timeout>=2.3,<3",  # a hang fails fast with a traceback
+            "hypothesis>=6.100,<7",  # property tests of the numerics
             "ruff>=0.8,<1",
             "torch==2.13.0",
             "transformers>=4.51,<6",
@@ -36,5 +38,7 @@ setuptools.setup(
             "ipykernel>=6.29,<8",
             "jupyter-client>=8,<9",
         ],
+        # Mutation testing of the numerics modules (`make mutmut`), not needed by `make test`.
+        "dev": ["mutmut>=3.2,<4"],
     },
 )
