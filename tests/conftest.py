@@ -1,5 +1,41 @@
-"""Shared pytest configuration: float32 matmuls at full precision on every backend."""
+"""Shared pytest configuration.
 
+- float32 matmuls at full precision on every backend, so tolerances mean the same everywhere;
+- hypothesis: no deadline (jit compiles make the first example slow) and a bounded example count;
+- in CI (`CI=true`) a skipped test is a failure: a missing install or a wrongly guarded test
+  shows up red instead of hiding as a skip. Locally skips stay skips.
+"""
+
+import os
+
+import hypothesis
 import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+hypothesis.settings.register_profile(
+    "espo", deadline=None, max_examples=40, derandomize=True, print_blob=True
+)
+hypothesis.settings.load_profile("espo")
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _fail_skip(report) -> None:
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI (CI=true turns skips into failures): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_skip(outcome.get_result())
