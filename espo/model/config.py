@@ -9,10 +9,29 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+DTypeLike = Any  # a dtype name ("bfloat16"), a scalar type (jnp.bfloat16, np.float32), a np.dtype
+
+
+def dtype_name(value: DTypeLike, *, field: str = "dtype") -> str:
+    """The canonical name ("float32", "bfloat16", "float16") of a dtype given in any spelling.
+
+    Accepts names and anything `jnp.dtype` understands (jnp.bfloat16, np.float32,
+    jnp.dtype("bfloat16"), ml_dtypes.bfloat16); raises ValueError naming `field`, the value and
+    the valid dtypes otherwise (None, float64, unknown names).
+    """
+    try:
+        name = None if value is None or isinstance(value, bool) else jnp.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in _DTYPES:
+        raise ValueError(f"{field}={value!r} is invalid: one of {_DTYPES} (a name or a dtype)")
+    return name
 
 
 class RoutingMode(enum.Enum):
@@ -54,6 +73,8 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k gate weights to sum to one
     tie_embeddings: bool = False  # output projection shares the input embedding
     sliding_window: int | None = None  # attend to at most this many previous positions
+    # Dtypes: any spelling `dtype_name` accepts ("bfloat16", jnp.bfloat16, np.float32,
+    # jnp.dtype("float16")); stored as the canonical name, so configs compare and hash by value.
     param_dtype: str = "float32"  # storage dtype of the parameters
     dtype: str = "float32"  # compute dtype of activations and matmuls
     aux_loss_coef: float = 0.0  # weight of the load-balancing loss in `aux.total`
@@ -99,8 +120,10 @@ class ModelConfig:
             "sliding_window",
             "None or >= 1",
         )
-        need(self.param_dtype in _DTYPES, "param_dtype", f"one of {_DTYPES}")
-        need(self.dtype in _DTYPES, "dtype", f"one of {_DTYPES}")
+        for name in ("param_dtype", "dtype"):
+            object.__setattr__(
+                self, name, dtype_name(getattr(self, name), field=f"ModelConfig.{name}")
+            )
         need(self.aux_loss_coef >= 0, "aux_loss_coef", ">= 0")
         need(self.z_loss_coef >= 0, "z_loss_coef", ">= 0")
 

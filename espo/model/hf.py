@@ -19,6 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import safetensors
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -257,13 +258,34 @@ def _set(tree, path, value):
 # ---- loading --------------------------------------------------------------------------------
 
 
+def _read_json(file: pathlib.Path) -> dict:
+    """The JSON object in `file`; CheckpointError naming the file when it is not JSON."""
+    try:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _open_safetensors(file: pathlib.Path):
+    """`safe_open(file)`; a truncated or corrupt file raises CheckpointError naming it."""
+    try:
+        return safe_open(file, framework="np")
+    except (safetensors.SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+
+
 class _TensorFiles:
     """Name -> file index over one or many safetensors files; reads one tensor at a time."""
 
     def __init__(self, path: pathlib.Path):
         index_file = path / "model.safetensors.index.json"
         if index_file.exists():
-            weight_map = json.loads(index_file.read_text())["weight_map"]
+            weight_map = _read_json(index_file).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_file}: no 'weight_map' object")
             self.where = {k: path / f for k, f in weight_map.items()}
             self.source = str(index_file)
         else:
@@ -272,7 +294,7 @@ class _TensorFiles:
                 raise CheckpointError(f"{path}: no *.safetensors files and no index")
             self.where = {}
             for f in files:
-                with safe_open(f, framework="np") as handle:
+                with _open_safetensors(f) as handle:
                     self.where.update(dict.fromkeys(handle.keys(), f))
             self.source = str(path)
         self.used: set[str] = set()
@@ -284,8 +306,11 @@ class _TensorFiles:
         if name not in self.where:
             raise CheckpointError(f"{self.source}: missing tensor {name!r} (expected {shape})")
         file = self.where[name]
-        with safe_open(file, framework="np") as handle:
-            tensor = handle.get_tensor(name)
+        with _open_safetensors(file) as handle:
+            try:
+                tensor = handle.get_tensor(name)
+            except safetensors.SafetensorError as e:
+                raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from e
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(
                 f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
@@ -295,23 +320,28 @@ class _TensorFiles:
 
 
 def load_hf_checkpoint(
-    path: str | os.PathLike, *, dtype: str | None = None
+    path: str | os.PathLike, *, dtype: config_lib.DTypeLike | None = None
 ) -> tuple[config_lib.ModelConfig, dict]:
     """(ModelConfig, params) from a local Hugging Face checkpoint directory.
 
     Args:
       path: a directory holding `config.json` and `*.safetensors` (optionally sharded with
         `model.safetensors.index.json`).
-      dtype: parameter dtype ("float32", "bfloat16"...); default: the checkpoint's own.
+      dtype: parameter (and compute) dtype in any spelling `config.dtype_name` accepts
+        ("bfloat16", jnp.bfloat16, np.float32, jnp.dtype("float32")); default: the checkpoint's
+        own when it is float32 or bfloat16, else float32.
     """
     path = pathlib.Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{config_file}: not found")
-    hf = json.loads(config_file.read_text())
+    hf = _read_json(config_file)
     cfg, arch = config_from_hf(hf, source=str(config_file))
     disk_dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
-    param_dtype = dtype or (disk_dtype if disk_dtype in ("float32", "bfloat16") else "float32")
+    if dtype is None:  # not `dtype or ...`: np.dtype objects are falsy
+        param_dtype = disk_dtype if disk_dtype in ("float32", "bfloat16") else "float32"
+    else:
+        param_dtype = config_lib.dtype_name(dtype, field="load_hf_checkpoint(dtype)")
     cfg = cfg.replace(param_dtype=param_dtype, dtype=param_dtype)
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     files = _TensorFiles(path)

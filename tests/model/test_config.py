@@ -1,5 +1,7 @@
 """ModelConfig validation: every invalid value names the field, the value and the valid range."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from espo.model import ModelConfig
@@ -39,3 +41,28 @@ def test_config_is_frozen_and_hashable():
     with pytest.raises(AttributeError):
         cfg.top_k = 3
     assert hash(cfg) == hash(ModelConfig.tiny())
+
+
+@pytest.mark.parametrize(
+    ("spelling", "name"),
+    [
+        ("bfloat16", "bfloat16"),
+        (jnp.bfloat16, "bfloat16"),
+        (jnp.dtype("bfloat16"), "bfloat16"),
+        (np.float32, "float32"),
+        (jnp.float16, "float16"),
+        (np.dtype("float16"), "float16"),
+    ],
+    ids=repr,
+)
+def test_dtype_fields_accept_dtype_likes_and_store_the_name(spelling, name):
+    cfg = ModelConfig.tiny(param_dtype=spelling, dtype=spelling)
+    assert cfg.param_dtype == name and cfg.dtype == name
+    assert cfg == ModelConfig.tiny(param_dtype=name, dtype=name)  # hash/eq by value
+    assert cfg.jnp_dtype == jnp.dtype(name) and cfg.jnp_param_dtype == jnp.dtype(name)
+
+
+@pytest.mark.parametrize("bad", [np.float64, None, "bf16", True])
+def test_dtype_fields_reject_other_values_by_name(bad):
+    with pytest.raises(ValueError, match=r"ModelConfig\.dtype=.* is invalid: one of"):
+        ModelConfig.tiny(dtype=bad)
