@@ -3,7 +3,13 @@
 Owns the per-token surrogate of every algorithm and its reduction to a `types.LossOutput`.
 Invariants:
 - Pure and jittable: `LossConfig` is frozen and hashable (a static argument under `jit`); every
-  array is [B, T] (advantages may be [B]); masks multiply, they never index; math is float32.
+  array is [B, T] (advantages may be [B]); math is float32.
+- Masks select, they never multiply or index: `compute_loss` replaces every padded entry of every
+  input by 0 with `jnp.where` before any arithmetic, and every masked reduction selects again,
+  so padding may hold anything (inf, -inf, NaN, 1e9) without reaching a value, a gradient or a
+  metric. A row with no valid token (a failed reward sample, `mask & valid[:, None]`; a
+  truncated sample under `overlong_filter`) is not a sequence of the batch: it leaves every
+  denominator, so adding one changes neither the loss nor its gradient.
 - The loss is the NEGATIVE of the objective, to be minimised. `old_logps`, `advantages`,
   `entropies` and `ref_logps` are stop-gradient'd: only `logps` carries gradient.
 - numerator / denominator per aggregation, so that over micro-batches
@@ -50,12 +56,12 @@ Mask = Bool[Array, "B T"] | Float[Array, "B T"]
 
 
 class Batch(NamedTuple):
-    """The float32, broadcast inputs every registered loss receives."""
+    """The float32, broadcast inputs every registered loss receives; padding already holds 0."""
 
     logps: Float[Array, "B T"]  # trained policy, carries the gradient
     old_logps: Float[Array, "B T"]  # behaviour policy (stop-gradient)
     advantages: Float[Array, "B T"]  # broadcast from [B] if needed (stop-gradient)
-    mask: Float[Array, "B T"]  # 1 for loss tokens, 0 for padding / prompt
+    mask: Bool[Array, "B T"]  # True for loss tokens; False for padding, prompt, filtered rows
     entropies: Float[Array, "B T"] | None  # old-policy token entropies (stop-gradient)
     penalty: Float[Array, "B T"]  # kl_coef * KL(pi || pi_ref) per token, 0 when KL is off
 
@@ -101,6 +107,7 @@ class LossConfig:
     espo_ratio: str = "gspo_token"  # espo: "gspo_token" (value s_g) | "literal" (s_g * r_t)
     kl_coef: float = 0.0  # beta of the per-token KL(pi || pi_ref) penalty; 0 = off
     kl_estimator: str = "k3"  # "k1" | "k2" | "k3" (verl kl_penalty names)
+    overlong_filter: bool = False  # DAPO: rows with finished=False (no EOS) leave the loss
 
     def __post_init__(self):
         def need(ok: bool, field: str, valid: str):
@@ -146,6 +153,7 @@ class LossConfig:
         need(self.espo_ratio in ESPO_RATIOS, "espo_ratio", f"one of {ESPO_RATIOS}")
         need(is_num(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "a float >= 0")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"one of {KL_ESTIMATORS}")
+        need(isinstance(self.overlong_filter, bool), "overlong_filter", "True or False")
 
     @property
     def eps_low(self) -> float | None:
@@ -168,17 +176,25 @@ def _sg(x):
     return jax.lax.stop_gradient(x)
 
 
-def _token_mean(x: Array, mask: Float[Array, "B T"]) -> Float[Array, ""]:
-    return (x.astype(jnp.float32) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+def _select(x: Array, mask: Bool[Array, "..."]) -> Float[Array, "..."]:
+    """x where mask, else 0: a select, so inf/NaN outside the mask reach neither value nor grad."""
+    return jnp.where(mask, x.astype(jnp.float32), 0.0)
+
+
+def _token_mean(x: Array, mask: Bool[Array, "B T"]) -> Float[Array, ""]:
+    return _select(x, mask).sum() / jnp.maximum(mask.sum(), 1).astype(jnp.float32)
 
 
 def aggregate(
     token_losses: Float[Array, "B T"], mask: Mask, *, agg: str, norm_length: int | None = None
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
-    """(numerator, denominator) of `agg` over [B, T] per-token losses (see module docstring)."""
-    mask = mask.astype(jnp.float32)
-    summed = (token_losses * mask).sum(-1)  # [B]
-    num_valid = mask.sum(-1)  # [B]
+    """(numerator, denominator) of `agg` over [B, T] per-token losses (see module docstring).
+
+    `mask` selects (bool, or nonzero floats): losses outside it are never read arithmetically.
+    """
+    mask = mask.astype(bool)
+    summed = _select(token_losses, mask).sum(-1)  # [B]
+    num_valid = mask.astype(jnp.float32).sum(-1)  # [B]
     num_seqs = (num_valid > 0).astype(jnp.float32).sum()
     if agg == "token-mean":
         return summed.sum(), num_valid.sum()
@@ -229,7 +245,7 @@ def _ratio_metrics(ratio, indicators, mask) -> dict[str, Array]:
     metrics = {name: _token_mean(ind, mask) for name, ind in indicators.items()}
     metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
     metrics["ratio_mean"] = _token_mean(ratio, mask)
-    metrics["ratio_max"] = (ratio * mask).max()  # ratios are > 0, so padding (0) never wins
+    metrics["ratio_max"] = _select(ratio, mask).max()  # ratios are > 0, so padding (0) never wins
     return metrics
 
 
@@ -277,7 +293,8 @@ def gspo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
     forces seq-mean-token-mean, here `agg` may override it.
     """
     log_ratio = batch.logps - batch.old_logps  # [B, T]
-    seq_log_ratio = (log_ratio * batch.mask).sum(-1) / jnp.maximum(batch.mask.sum(-1), 1.0)  # [B]
+    num_valid = jnp.maximum(batch.mask.sum(-1), 1).astype(jnp.float32)  # [B]
+    seq_log_ratio = _select(log_ratio, batch.mask).sum(-1) / num_valid  # [B]
     log_ratio = _sg(seq_log_ratio)[:, None] + batch.logps - _sg(batch.logps)  # [B, T]
     ratio = jnp.exp(jnp.minimum(log_ratio, SEQ_LOG_RATIO_MAX))  # [B, T]
     token_losses, indicators = _ppo_clip(
@@ -307,15 +324,16 @@ def entropy_groups(
     shapes), and a token is in the first group whose threshold it reaches (entropy >= thr).
     Ties: tokens equal to a threshold join the higher-entropy group, so a group can be larger
     than its quota (all-equal entropies put every token in group 0). ceil uses a 1e-6 relative
-    slack so float32 rounding of q n never adds a token. Padding gets an arbitrary group; callers
-    multiply by the mask.
+    slack so float32 rounding of q n never adds a token. Padding (whatever it holds) reads as
+    -inf, so it moves no threshold and lands in the last group; callers select with the mask.
     """
     valid = mask.astype(bool)
     if num_groups == 1:
         return jnp.zeros(valid.shape, jnp.int32)
-    scores = jnp.where(valid, entropies.astype(jnp.float32), -jnp.inf)  # [B, T]
+    token_scores = jnp.where(valid, entropies.astype(jnp.float32), -jnp.inf)  # [B, T]
+    scores = token_scores
     if scope == "batch":
-        scores, valid = scores.reshape(1, -1), valid.reshape(1, -1)  # [1, B*T]
+        scores, valid = token_scores.reshape(1, -1), valid.reshape(1, -1)  # [1, B*T]
     descending = jnp.sort(scores, axis=-1)[:, ::-1]  # [B', T'], padding (-inf) last
     num_valid = valid.sum(-1).astype(jnp.float32)  # [B']
     fracs = [top_frac + k * (1.0 - top_frac) / (num_groups - 1) for k in range(num_groups - 1)]
@@ -325,7 +343,7 @@ def entropy_groups(
         count = jnp.clip(count, 1.0, jnp.maximum(num_valid, 1.0)).astype(jnp.int32)  # [B']
         thresholds.append(jnp.take_along_axis(descending, count[:, None] - 1, axis=-1))  # [B', 1]
     thresholds = jnp.concatenate(thresholds, axis=-1)  # [B', num_groups - 1], non-increasing
-    below = entropies.astype(jnp.float32)[..., None] < thresholds[:, None, :]  # [B, T, K - 1]
+    below = token_scores[..., None] < thresholds[:, None, :]  # [B, T, K - 1]
     return below.sum(-1).astype(jnp.int32)  # [B, T]
 
 
@@ -356,15 +374,15 @@ def espo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
         num_groups=cfg.num_groups,
         scope=cfg.quantile_scope,
     )  # [B, T]
-    group_mask = jax.nn.one_hot(groups, cfg.num_groups, dtype=jnp.float32) * mask[..., None]
-    group_size = group_mask.sum(1)  # [B, K] valid tokens per group
+    group_mask = (groups[..., None] == jnp.arange(cfg.num_groups)) & mask[..., None]  # [B, T, K]
+    group_size = group_mask.astype(jnp.float32).sum(1)  # [B, K] valid tokens per group
     safe_size = jnp.maximum(group_size, 1.0)  # [B, K]
 
-    def group_mean(x):  # [B, T] -> [B, K]; multiply-and-sum, not einsum, to stay in float32
-        return (x[..., None] * group_mask).sum(1) / safe_size
+    def group_mean(x):  # [B, T] -> [B, K]; select-and-sum, not einsum, to stay in float32
+        return _select(x[..., None], group_mask).sum(1) / safe_size
 
     def to_tokens(x):  # [B, K] -> [B, T], each token reads its own group's value
-        return (x[:, None, :] * group_mask).sum(-1)
+        return _select(x[:, None, :], group_mask).sum(-1)
 
     log_ratio = batch.logps - batch.old_logps  # [B, T]
     group_log_ratio = group_mean(log_ratio)  # [B, K] log s_g
@@ -381,12 +399,12 @@ def espo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
 
     metrics = _ratio_metrics(ratio, indicators, mask)
     metrics["espo_eps_mean"] = _token_mean(eps, mask)
-    clipped = (indicators["clip_frac_low"] | indicators["clip_frac_high"]).astype(jnp.float32)
+    clipped = indicators["clip_frac_low"] | indicators["clip_frac_high"]  # [B, T]
     for k in range(cfg.num_groups):
         in_group = group_mask[..., k]  # [B, T]
         metrics[f"clip_frac_group{k}"] = _token_mean(clipped, in_group)
         metrics[f"espo_eps_group{k}"] = _token_mean(eps, in_group)
-        metrics[f"num_tokens_group{k}"] = in_group.sum()
+        metrics[f"num_tokens_group{k}"] = in_group.astype(jnp.float32).sum()
     return _output(seq_losses.sum(), denominator, metrics)
 
 
@@ -423,26 +441,38 @@ def compute_loss(
     mask: Mask,
     entropies: Float[Array, "B T"] | None = None,
     ref_logps: Float[Array, "B T"] | None = None,
+    finished: Bool[Array, " B"] | None = None,
 ) -> types.LossOutput:
     """The `cfg.name` loss of one (micro-)batch as numerator / denominator plus metrics.
+
+    `mask` selects the loss tokens (True, or a float > 0); the trainer passes
+    `mask & valid[:, None]` so a failed reward sample has no token and contributes nothing.
+    `finished` [B] (the rollout's EOS flag) is required by `cfg.overlong_filter`, which then also
+    drops rows with finished=False (DAPO overlong filtering), as if their mask were 0.
+    Every input is selected with the mask before any arithmetic (see the module docstring).
 
     Shared metrics: num_tokens, num_seqs (sequences with a valid token); approx_kl = token mean
     of k3 for KL(pi_old || pi) = (r - 1) - log r, r = exp(clamp(logp - old, +-20)) (>= 0, low
     variance); ppo_kl = token mean of old - logp (verl's k1 `ppo_kl`); entropy = token mean of
     `entropies` when given; kl = token mean of the KL estimate (before kl_coef) when kl_coef > 0.
+    With `finished`: num_truncated (sequences with a valid token and no EOS, counted before the
+    filter) and num_overlong_filtered (those the filter removed: num_truncated, or 0 when off).
     Per loss: clip_frac(_low/_high), ratio_mean, ratio_max, and dual_clip_frac / espo_* extras.
     """
     if cfg.name == "espo" and entropies is None:
         raise ValueError("espo needs `entropies` (old-policy token entropies [B, T]); got None")
     if cfg.kl_coef > 0 and ref_logps is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs `ref_logps` [B, T]; got None")
+    if cfg.overlong_filter and finished is None:
+        raise ValueError("overlong_filter=True needs `finished` [B] (False = truncated); got None")
 
     def f32(x, *, grad=False):
         x = None if x is None else jnp.asarray(x).astype(jnp.float32)
         return x if grad or x is None else _sg(x)
 
     logps, old_logps, advantages = f32(logps, grad=True), f32(old_logps), f32(advantages)
-    mask, entropies, ref_logps = f32(mask), f32(entropies), f32(ref_logps)
+    entropies, ref_logps = f32(entropies), f32(ref_logps)
+    mask = jnp.asarray(mask) > 0  # [B, T] bool
     shape = logps.shape
     if logps.ndim != 2:
         raise ValueError(f"logps must be [B, T], got shape {shape}")
@@ -456,7 +486,24 @@ def compute_loss(
         advantages = advantages[:, None]  # [B, 1]
     advantages = jnp.broadcast_to(advantages, shape)  # [B, T]
 
-    metrics = {"num_tokens": mask.sum(), "num_seqs": (mask.sum(-1) > 0).sum().astype(jnp.float32)}
+    metrics = {}
+    if finished is not None:
+        finished = jnp.asarray(finished).astype(bool)  # [B]
+        if finished.shape != shape[:1]:
+            raise ValueError(f"finished must be [B]={shape[:1]}, got shape {finished.shape}")
+        truncated = mask.any(-1) & ~finished  # [B] sequences with tokens and no EOS
+        metrics["num_truncated"] = truncated.astype(jnp.float32).sum()
+        filtered = truncated if cfg.overlong_filter else jnp.zeros_like(truncated)  # [B]
+        metrics["num_overlong_filtered"] = filtered.astype(jnp.float32).sum()
+        mask = mask & ~filtered[:, None]  # [B, T]
+
+    # Select before any arithmetic: padding may hold inf/NaN; with 0 everywhere outside the mask
+    # every ratio there is 1 and every gradient through the select is exactly 0.
+    logps, old_logps, advantages = (_select(x, mask) for x in (logps, old_logps, advantages))
+    entropies, ref_logps = (None if x is None else _select(x, mask) for x in (entropies, ref_logps))
+
+    metrics["num_tokens"] = mask.astype(jnp.float32).sum()
+    metrics["num_seqs"] = mask.any(-1).astype(jnp.float32).sum()
     log_ratio = jnp.clip(logps - old_logps, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
     metrics["approx_kl"] = _sg(_token_mean(jnp.expm1(log_ratio) - log_ratio, mask))
     metrics["ppo_kl"] = _sg(_token_mean(-log_ratio, mask))
@@ -465,7 +512,7 @@ def compute_loss(
     penalty = jnp.zeros(shape, jnp.float32)
     if cfg.kl_coef > 0:
         kl = kl_penalty(logps=logps, ref_logps=ref_logps, estimator=cfg.kl_estimator)  # [B, T]
-        penalty = cfg.kl_coef * kl
+        penalty = cfg.kl_coef * kl  # [B, T]
         metrics["kl"] = _sg(_token_mean(kl, mask))
 
     batch = Batch(logps, old_logps, advantages, mask, entropies, penalty)
