@@ -22,7 +22,10 @@ correctness (from the verifier) first, lets the RM order rollouts only within a 
 differences below its noise as ties, and uses ranks, which bound the RM's influence.
 
 The paper's own fix is a generative pairwise judge with an explicit Tie class (`judge.py`);
-this module is the scalar-RM counterpart, whose tie band must be calibrated (see `dead_zone`).
+this module is the scalar-RM counterpart. Its defaults are safe at any G: the tier margin is
+derived from G (`margin_bound`: a correct rollout can never get a negative advantage, nor a wrong
+one a positive one) and the tie band is DEFAULT_DEAD_ZONE in BT logits, measured on the synthetic
+task of experiments/repro_inversion.py; recalibrate it for scores that are not BT logits.
 """
 
 from __future__ import annotations
@@ -121,14 +124,39 @@ def pairwise_inversion_rate(
 # ---- adjusting RM scores ---------------------------------------------------------------------
 
 
+# The default tie band, in Bradley-Terry logits: RM score gaps below it are read as noise (a gap
+# d means the RM prefers one response with probability sigmoid(d); sigmoid(0.75) = 0.68).
+# Chosen by `python experiments/repro_inversion.py --sweep-dead-zone` (trained BT models,
+# seeds 0-4, G = 8): inversion 0.308 at 0 -> 0.015 at 0.75 with sign agreement 0.971 -> 0.984;
+# larger zones swallow real differences (agreement 0.964 at 1.0, 0.795 at 2.0). The table is
+# DEAD_ZONE_SWEEP in that script's docstring.
+DEFAULT_DEAD_ZONE = 0.75
+
+
+def margin_bound(group_size: int, *, rank: bool) -> float:
+    """The largest tier margin (exclusive) under which no tier can invert, for groups of G.
+
+    With ranks, x sums to 0 over each tier, so mean_group(r) = f (the fraction correct) and a
+    correct rollout's centred reward is 1 - f + margin * x >= 1/G - margin when f <= (G-1)/G;
+    a wrong one's is -f + margin * x <= margin - 1/G. Both keep their sign iff margin < 1/G.
+    Without ranks x = tanh(.) in (-1, 1) need not sum to 0, and x_i - mean(x) spans (-2, 2):
+    margin < 1/(2G). Capped at 0.5 so tiers never overlap (r = tier + margin * x, |x| <= 1).
+    """
+    per_rollout = 1.0 / group_size if rank else 0.5 / group_size
+    return min(0.5, per_rollout)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RmAdjustConfig:
-    """Switches of `adjust_rewards`; the defaults turn every step on except the dead-zone, whose
-    delta is in the RM's own (arbitrary) units and must be calibrated per reward model."""
+    """Switches of `adjust_rewards`. Defaults: every step on, the margin derived from G, the
+    dead-zone DEFAULT_DEAD_ZONE (in BT logits; recalibrate for a reward model whose scores are
+    not BT logits, e.g. as experiments/repro_inversion.py does on tie-labelled pairs)."""
 
     tiered: bool = True  # (a) verified-correct rollouts outrank incorrect ones (needs `correct`)
-    margin: float = 0.05  # (a) RM span inside a tier, r = tier + margin * x; in (0, 0.5)
-    dead_zone: float = 0.0  # (b) delta: RM gaps below it are ties; 0 ties only equal scores
+    # (a) RM span inside a tier, r = tier + margin * x. None: half of margin_bound(G), derived
+    # per call from the group size; a number must be in (0, 0.5) and below margin_bound(G).
+    margin: float | None = None
+    dead_zone: float = DEFAULT_DEAD_ZONE  # (b) delta: RM gaps below it are ties
     rank: bool = True  # (c) x = within-tier rank (ties averaged) mapped to [-1, 1]
     squash_scale: float = 1.0  # x = tanh((s - tier mean) / squash_scale) when tiered, not rank
 
@@ -137,9 +165,12 @@ class RmAdjustConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RmAdjustConfig.{name}={getattr(self, name)!r} must be a bool")
         m = self.margin
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < 0.5:
+        if m is not None and (
+            isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < 0.5
+        ):
             raise ValueError(
-                f"RmAdjustConfig.margin={m!r} must be in (0, 0.5) so tiers never overlap"
+                f"RmAdjustConfig.margin={m!r} must be None (derived from G) or in (0, 0.5) so "
+                "tiers never overlap"
             )
         d = self.dead_zone
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < pymath.inf:
@@ -147,6 +178,22 @@ class RmAdjustConfig:
         s = self.squash_scale
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < pymath.inf:
             raise ValueError(f"RmAdjustConfig.squash_scale={s!r} must be in (0, inf)")
+
+    def margin_for(self, group_size: int) -> float:
+        """The margin used for groups of `group_size`: the configured one, checked against
+        `margin_bound`, or half the bound when None. Raises ValueError when the configured
+        margin would let a tier invert at this G."""
+        bound = margin_bound(group_size, rank=self.rank)
+        if self.margin is None:
+            return bound / 2
+        if self.margin >= bound:
+            need = "1/G" if self.rank else "1/(2G)"
+            raise ValueError(
+                f"RmAdjustConfig.margin={self.margin!r} is too large for G={group_size}: a "
+                f"correctness tier can invert unless margin < {need} = {bound:.6g} "
+                f"(rank={self.rank}); use margin=None to derive it from G"
+            )
+        return float(self.margin)
 
 
 def adjust_rewards(
@@ -167,20 +214,24 @@ def adjust_rewards(
           rollout i among the n rollouts of its group and tier, ties (clusters) given their
           average rank; x = 0 when n == 1. x sums to 0 over each tier, and a tier that is all
           one cluster gets x = 0 exactly.
-      (a) tiered: r = tier + margin * x, with x from (c), or x = tanh((s - tier mean of s) /
-          squash_scale) without ranks. As |x| <= 1 and margin < 0.5, a correct rollout always
-          outranks an incorrect one.
+      (a) tiered: r = tier + m * x, with x from (c), or x = tanh((s - tier mean of s) /
+          squash_scale) without ranks, and m = cfg.margin_for(G). As |x| <= 1 and m < 0.5, a
+          correct rollout always outranks an incorrect one.
     Without tiers, r = x with ranks, else the (dead-zoned) scores themselves; with every step
     off (tiered=False, dead_zone=0, rank=False) `adjust_rewards` is the identity.
 
-    Signs after group normalisation: with ranks, mean_group(r) = fraction correct, so for
-    margin < 1/G every correct rollout of a mixed group gets a positive advantage and every
-    incorrect one a negative advantage (without ranks, margin < 1/(2G) is needed). A group whose
-    rollouts are all one tier and one cluster gets equal rewards: a zero-variance group, not
-    random +/- advantages.
+    Signs after group normalisation (`margin_bound`): with ranks, mean_group(r) = fraction
+    correct, so for m < 1/G every correct rollout of a mixed group gets a positive advantage and
+    every incorrect one a negative advantage (without ranks, m < 1/(2G) is needed). m is
+    therefore derived from G (margin=None: half the bound) or checked against it, so tiers
+    cannot invert at any G; e.g. G = 4, correct = [1, 1, 1, 0], ranks x = [-1, 0, 1, 0]:
+    r - mean = [1/4 - m, 1/4, 1/4 + m, -3/4], which is 0 for the first rollout at m = 1/4 and
+    negative beyond. A group whose rollouts are all one tier and one cluster gets equal
+    rewards: a zero-variance group, not random +/- advantages. With ragged groups (a validity
+    mask over [P, G]) the bound at the padded G is the strictest, so it holds for every group.
 
     Raises ValueError when cfg.tiered and `correct` is None (use tiered=False without a
-    verifier).
+    verifier), and when cfg.margin is too large for G (see `RmAdjustConfig.margin_for`).
     """
     s = jnp.asarray(rm_scores, jnp.float32)  # [P, G]
     if s.ndim != 2:
@@ -194,8 +245,9 @@ def adjust_rewards(
         if jnp.shape(correct) != s.shape:
             raise ValueError(f"correct must have shape {s.shape}, got {jnp.shape(correct)}")
         tier = jnp.asarray(correct).astype(jnp.float32)  # [P, G]
+        margin = cfg.margin_for(s.shape[-1])  # static: G is a shape
     else:
-        tier = jnp.zeros_like(s)  # [P, G]
+        tier, margin = jnp.zeros_like(s), 0.0  # [P, G]
     cluster, same_cluster = _tie_clusters(s, tier=tier, delta=cfg.dead_zone)
     values = s
     if cfg.dead_zone > 0:
@@ -214,7 +266,7 @@ def adjust_rewards(
         x = jnp.tanh((values - tier_mean) / cfg.squash_scale)  # [P, G]
     else:
         return values
-    return tier + cfg.margin * x if cfg.tiered else x
+    return tier + margin * x if cfg.tiered else x
 
 
 def _tie_clusters(s, *, tier, delta):

@@ -1,21 +1,26 @@
-"""Advantage inversion: the metrics on hand-built groups, `adjust_rewards` step by step, the
-round-robin judge, the BT reward model, and the end-to-end claim of experiments/repro_inversion.py.
+"""Advantage inversion: the metrics on hand-built groups, `adjust_rewards` step by step (margin
+derived from G, the dead-zone default), the BT reward model (router aux loss included), and the
+end-to-end claim of experiments/repro_inversion.py. The round-robin judge is in test_judge.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
 import pathlib
 
+import chex
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from espo import advantages, model
-from espo.rewards import judge
 from espo.rewards import reward_model as rm
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -108,7 +113,7 @@ def test_all_steps_off_is_identity():
 def test_tiers_put_every_correct_rollout_first():
     s = jnp.array([[0.9, 0.1, 0.5, -3.0]])
     correct = jnp.array([[False, True, True, False]])
-    got = adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig(margin=0.05))
+    got = adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig(margin=0.05, dead_zone=0.0))
     # Tier 1 ranks {0.1, 0.5} -> x = -1, +1; tier 0 ranks {0.9, -3} -> x = +1, -1.
     _close(got, [[0.05, 0.95, 1.05, -0.05]])
     # The naive reading (0.9 > 0.5 > 0.1 > -3) would put the wrong answer first.
@@ -117,7 +122,7 @@ def test_tiers_put_every_correct_rollout_first():
 def test_tiers_without_ranks_squash_the_centred_score():
     s = jnp.array([[0.0, 2.0, 5.0]])
     correct = jnp.array([[True, True, False]])
-    cfg = rm.RmAdjustConfig(rank=False, margin=0.1, squash_scale=2.0)
+    cfg = rm.RmAdjustConfig(rank=False, margin=0.1, squash_scale=2.0, dead_zone=0.0)
     t = math.tanh(0.5)  # (0 - 1) / 2 and (2 - 1) / 2; the lone wrong rollout is its tier mean
     _close(adjust_rewards(s, correct=correct, cfg=cfg), [[1 - 0.1 * t, 1 + 0.1 * t, 0.0]])
 
@@ -141,7 +146,7 @@ def test_dead_zone_is_single_linkage_and_strict():
 
 
 def test_equal_scores_tie_without_dead_zone():
-    cfg = rm.RmAdjustConfig(tiered=False)
+    cfg = rm.RmAdjustConfig(tiered=False, dead_zone=0.0)
     # Ranks 1.5, 1.5, 3 of n = 3: x = (2 * 1.5 - 4) / 2 = -0.5 and (6 - 4) / 2 = 1.
     _close(adjust_rewards(jnp.array([[1.0, 1.0, 2.0]]), correct=None, cfg=cfg), [[-0.5, -0.5, 1]])
 
@@ -170,6 +175,156 @@ def test_correctness_decides_the_sign_in_mixed_groups(rank):
     mixed = (frac[:, 0] > 0) & (frac[:, 0] < 1)
     want = np.sign(correct - frac)[mixed]
     np.testing.assert_array_equal(np.sign(np.asarray(adv))[mixed], want)
+
+
+# ---- the margin is derived from (or checked against) G ---------------------------------------
+
+
+def _adversarial_groups(G: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Every mixed composition of a group of G (k = 1..G-1 correct), each with the RM scoring
+    every wrong rollout above every correct one and all scores distinct (no dead-zone ties):
+    the worst case for the tiers. Scores [G - 1, G], correct [G - 1, G]."""
+    k = np.arange(1, G)[:, None]  # [G - 1, 1] correct rollouts per group
+    correct = np.arange(G)[None, :] < k  # [G - 1, G]
+    scores = np.where(correct, 0.0, 100.0) + 3.0 * np.arange(G)[None, :]  # [G - 1, G]
+    return jnp.asarray(scores, jnp.float32), jnp.asarray(correct)
+
+
+@pytest.mark.parametrize("rank", [True, False])
+@pytest.mark.parametrize("G", [2, 4, 8, 16, 32, 64])
+def test_default_margin_keeps_every_sign_at_every_group_size(G, rank):
+    """Catches a G-independent default margin: with the old 0.05 (> 1/32), at G = 32 the group
+    of 31 correct rollouts gave its lowest-ranked correct ones negative advantages (G = 32 and
+    64 fail, with and without ranks)."""
+    scores, correct = _adversarial_groups(G)
+    cfg = rm.RmAdjustConfig(rank=rank, dead_zone=0.0)
+    adv = np.asarray(advantages.group_normalized(adjust_rewards(scores, correct=correct, cfg=cfg)))
+    correct = np.asarray(correct)
+    assert (adv[correct] > 0).all(), adv[correct].min()
+    assert (adv[~correct] < 0).all(), adv[~correct].max()
+
+
+def test_margin_boundary_hand_example():
+    """G = 4, correct = [1, 1, 1, 0], scores increasing: the correct tier's ranks are
+    x = [-1, 0, 1], the lone wrong rollout's x = 0, so r = [1 - m, 1, 1 + m, 0], mean 3/4 and
+    r - mean = [1/4 - m, 1/4, 1/4 + m, -3/4]. m = 1/4 = 1/G would give the first correct
+    rollout advantage 0 (beyond it, a negative one): it is rejected; the default is 1/8."""
+    s = jnp.array([[0.0, 1.0, 2.0, 5.0]])
+    correct = jnp.array([[True, True, True, False]])
+    got = adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig(dead_zone=0.0))
+    _close(got, [[0.875, 1.0, 1.125, 0.0]])
+    got = adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig(margin=0.2, dead_zone=0.0))
+    _close(got, [[0.8, 1.0, 1.2, 0.0]])
+    _close(np.asarray(got) - 0.75, [[0.05, 0.25, 0.45, -0.75]])
+    with pytest.raises(ValueError, match=r"margin=0\.25 is too large for G=4.*< 1/G = 0\.25"):
+        rm.adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig(margin=0.25))
+
+
+def test_explicit_margin_is_checked_against_g():
+    cfg = rm.RmAdjustConfig(margin=0.05)
+    assert cfg.margin_for(16) == 0.05  # 0.05 < 1/16
+    with pytest.raises(ValueError, match=r"RmAdjustConfig\.margin=0\.05 is too large for G=32"):
+        cfg.margin_for(32)
+    with pytest.raises(ValueError, match=r"G=16.*1/\(2G\) = 0\.03125 \(rank=False\)"):
+        rm.RmAdjustConfig(margin=0.05, rank=False).margin_for(16)
+    assert rm.RmAdjustConfig().margin_for(32) == 1 / 64  # half of 1/G
+    assert rm.RmAdjustConfig(rank=False).margin_for(32) == 1 / 128  # half of 1/(2G)
+    assert rm.RmAdjustConfig().margin_for(1) == 0.25  # capped: half of 0.5
+    # Without tiers the margin is unused, so no G is too large for it.
+    rm.adjust_rewards(
+        jnp.zeros((1, 64)), correct=None, cfg=rm.RmAdjustConfig(tiered=False, margin=0.4)
+    )
+
+
+# ---- the dead-zone default -------------------------------------------------------------------
+
+
+def test_default_dead_zone_ties_rm_noise_in_an_equal_quality_tier():
+    """Catches dead_zone=0 as the default: an all-correct group of equal true quality whose RM
+    scores differ by noise (gaps 0.3 delta) gets ranks -1..1, i.e. unit-size advantages, and
+    `inversion_rate` reads all 4 as inverted; the default ties them into one cluster."""
+    delta = rm.DEFAULT_DEAD_ZONE
+    assert delta > 0
+    s = jnp.asarray([[0.0, 0.3 * delta, 0.6 * delta, 0.9 * delta]], jnp.float32)
+    correct = jnp.ones((1, 4), bool)
+    q = jnp.ones((1, 4))
+    no_zone = advantages.group_normalized(
+        adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig(dead_zone=0.0))
+    )
+    _close(inversion_rate(no_zone, true_quality=q), 1.0)
+    r = adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig())
+    np.testing.assert_array_equal(r, 1.0)
+    _close(inversion_rate(advantages.group_normalized(r), true_quality=q), 0.0)
+    assert bool(advantages.zero_variance_mask(r)[0])
+
+
+def test_dead_zone_boundary_is_strict():
+    """A gap of exactly delta is a step; one float32 ulp below it is a tie."""
+    below = float(np.nextafter(np.float32(0.25), np.float32(0.0)))
+    cfg = rm.RmAdjustConfig(tiered=False, dead_zone=0.25)
+    _close(adjust_rewards(jnp.array([[0.0, 0.25]]), correct=None, cfg=cfg), [[-1.0, 1.0]])
+    _close(adjust_rewards(jnp.array([[0.0, below]]), correct=None, cfg=cfg), [[0.0, 0.0]])
+
+
+def test_inversion_rate_tolerance_boundaries():
+    """q = [0, 1/2, -1/2] (mean 0, exact in float32), A = [0, 1, -1]. With tie_tol = 1/2 the
+    |d| = 1/2 rollouts count as ties (|d| <= tol), so the two pushed ones are inverted: 2/3;
+    with tie_tol = 1/4 every sign is right: 0. With adv_tol = 1 (|A| <= tol is no push)
+    nothing is pushed: 0 inverted and 0 agreement."""
+    q = jnp.array([[0.0, 0.5, -0.5]])
+    adv = jnp.array([[0.0, 1.0, -1.0]])
+    _close(inversion_rate(adv, true_quality=q, tie_tol=0.5), 2 / 3)
+    _close(inversion_rate(adv, true_quality=q, tie_tol=0.25), 0.0)
+    _close(sign_agreement_rate(adv, true_quality=q, tie_tol=0.25), 1.0)
+    _close(inversion_rate(adv, true_quality=q, adv_tol=1.0), 0.0)
+    _close(sign_agreement_rate(adv, true_quality=q, adv_tol=1.0), 0.0)
+
+
+_CFGS = (
+    rm.RmAdjustConfig(),
+    rm.RmAdjustConfig(dead_zone=0.0),
+    rm.RmAdjustConfig(rank=False, dead_zone=0.0),
+    rm.RmAdjustConfig(rank=False, squash_scale=0.01),
+    rm.RmAdjustConfig(margin=0.49, dead_zone=3.0),  # within the 0.5 cap at G <= 2 only
+)
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    data=st.data(),
+    G=st.sampled_from([1, 2, 3, 8]),
+    cfg=st.sampled_from(_CFGS),
+)
+def test_every_correct_reward_beats_every_wrong_one(data, G, cfg):
+    """Property: within every group, min(correct rewards) > max(wrong rewards), whatever the RM
+    scores (huge, tied, adversarial) and switches."""
+    if cfg.margin is not None and cfg.margin >= rm.margin_bound(G, rank=cfg.rank):
+        cfg = dataclasses.replace(cfg, margin=None)
+    P = 3
+    s = data.draw(
+        hnp.arrays(np.float32, (P, G), elements=st.floats(-1e4, 1e4, width=32)), label="scores"
+    )
+    correct = data.draw(hnp.arrays(np.bool_, (P, G)), label="correct")
+    r = np.asarray(adjust_rewards(jnp.asarray(s), correct=jnp.asarray(correct), cfg=cfg))
+    assert np.isfinite(r).all()
+    for p in range(P):
+        if correct[p].any() and (~correct[p]).any():
+            assert r[p][correct[p]].min() > r[p][~correct[p]].max(), (s[p], correct[p], r[p])
+
+
+class AdjustVariantsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_hand_example_jitted_and_not(self):
+        """Dead-zone 0.5 over one group: correct scores {0.1, 0.3, 2.0} cluster to
+        {0.1, 0.3}, {2.0} -> ranks 1.5, 1.5, 3 of 3 -> x = [-0.5, -0.5, 1]; the lone wrong
+        rollout gets x = 0. G = 4, margin 1/8: r = [1 - 1/16, 1 - 1/16, 1 + 1/8, 0]."""
+        cfg = rm.RmAdjustConfig(dead_zone=0.5)
+        fn = self.variant(functools.partial(rm.adjust_rewards, cfg=cfg))
+        s = jnp.array([[0.1, 0.3, 2.0, 9.0]])
+        correct = jnp.array([[True, True, True, False]])
+        chex.assert_trees_all_close(
+            fn(s, correct=correct), jnp.array([[0.9375, 0.9375, 1.125, 0.0]]), atol=1e-6
+        )
 
 
 def test_adjust_rewards_eager_matches_jit():
@@ -210,50 +365,6 @@ def test_config_validation_names_field_and_value(field, value):
         rm.RmAdjustConfig(**{field: value})
 
 
-# ---- the pairwise judge ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("qualities", "tie_tol", "want"),
-    [
-        ([3.0, 1.0, 2.0], 0.0, [1.0, -1.0, 0.0]),  # s01 = +1, s02 = +1, s12 = -1
-        ([1.0, 1.0, 0.0], 0.0, [0.5, 0.5, -1.0]),  # a tie: equal rewards
-        ([1.0, 1.05, 2.0], 0.1, [-0.5, -0.5, 1.0]),  # a tie within tie_tol
-        ([5.0, 5.0, 5.0], 0.0, [0.0, 0.0, 0.0]),  # all ties: zero variance
-        ([4.0], 0.0, [0.0]),  # nothing to compare with
-    ],
-)
-def test_judge_group_round_robin(qualities, tie_tol, want):
-    got = judge.judge_group(qualities, judge.FakeJudge(tie_tol=tie_tol))
-    assert got.dtype == np.float32
-    _close(got, want)
-    _close(got.sum(), 0.0)
-
-
-def test_judge_groups_all_ties_is_a_zero_variance_group():
-    rewards = judge.judge_groups([[2.0, 2.0, 2.0, 2.0], [1.0, 2.0, 3.0, 4.0]], judge.FakeJudge())
-    assert rewards.shape == (2, 4)
-    np.testing.assert_array_equal(
-        advantages.zero_variance_mask(jnp.asarray(rewards)), [True, False]
-    )
-    np.testing.assert_array_equal(advantages.group_normalized(jnp.asarray(rewards))[0], 0.0)
-
-
-def test_both_orders_cancels_position_bias():
-    first_wins = lambda a, b: "better"
-    _close(judge.judge_group(["x", "y", "z"], first_wins), [1.0, 0.0, -1.0])
-    _close(judge.judge_group(["x", "y", "z"], first_wins, both_orders=True), [0.0, 0.0, 0.0])
-
-
-def test_judge_errors():
-    with pytest.raises(ValueError, match=r"returned 'A'; valid verdicts"):
-        judge.judge_group([1, 2], lambda a, b: "A")
-    with pytest.raises(ValueError, match="same size G"):
-        judge.judge_groups([[1, 2], [1]], judge.FakeJudge())
-    with pytest.raises(ValueError, match=r"FakeJudge\.tie_tol=-1"):
-        judge.FakeJudge(tie_tol=-1)
-
-
 # ---- the Bradley–Terry reward model ----------------------------------------------------------
 
 
@@ -271,6 +382,46 @@ def test_reward_model_at_real_size_reads_the_hidden_state_not_logits():
     assert (lowered.out_info.shape, lowered.out_info.dtype) == ((B,), jnp.float32)
     # The backbone's LM head is dead code that jit drops; a head on the logits would keep it.
     assert f"{B}x{T}x{cfg.vocab_size}x" not in lowered.as_text()
+
+
+def test_bt_objective_includes_the_router_aux_loss():
+    """Catches bug 13 of issue 13 (the router aux loss dropped from the BT objective): with
+    nonzero coefficients the objective must equal mean softplus(-(s_c - s_r)) +
+    c_lb * load_balancing_loss + c_z * z_loss of one forward over [chosen; rejected], in value
+    and in gradient. Every other test model has both coefficients 0, so aux.total is 0 there."""
+    cfg = model.ModelConfig.tiny(vocab_size=32, num_layers=1, aux_loss_coef=0.3, z_loss_coef=0.07)
+    params = rm.init_reward_model(cfg, jax.random.key(0))
+    # A nonzero head, so the BT term reaches the backbone too (w = 0 at init).
+    params["head"]["w"] = jax.random.normal(jax.random.key(1), (cfg.d_model,)) * 0.5
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(1, 32, size=(6, 7)), jnp.int32)  # [2B, T]
+    mask = jnp.asarray(np.arange(7)[None, :] < np.array([7, 5, 3, 6, 7, 4])[:, None])
+    batch = rm.PreferenceBatch(tokens[:3], tokens[3:], mask[:3], mask[3:])
+
+    def reference(p):
+        out = model.forward(
+            cfg, p["backbone"], tokens, attention_mask=mask, return_hidden=True
+        )  # one forward over both sides, as the router statistics must cover both
+        last = mask.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=1)  # [2B]
+        h = out.hidden[jnp.arange(6), last]  # [2B, D]
+        score = (h * p["head"]["w"]).sum(-1) + p["head"]["b"]  # [2B]
+        bt = jnp.mean(jax.nn.softplus(score[3:] - score[:3]))
+        aux = 0.3 * out.aux.load_balancing_loss + 0.07 * out.aux.z_loss
+        return bt + aux, aux
+
+    (want, aux), want_grad = jax.value_and_grad(reference, has_aux=True)(params)
+    assert float(aux) > 0.1  # the aux term is not negligible: the check has teeth
+    (got, metrics), got_grad = jax.value_and_grad(
+        lambda p: rm.bradley_terry_loss(cfg, p, batch), has_aux=True
+    )(params)
+    chex.assert_trees_all_close(got, want, atol=1e-5)
+    chex.assert_trees_all_close(metrics["aux_loss"], aux, atol=1e-5)
+    chex.assert_trees_all_close(metrics["bt_loss"] + aux, want, atol=1e-5)
+    chex.assert_trees_all_close(got_grad, want_grad, atol=1e-5)
+    # The router weights get an aux gradient the BT term alone would not give them.
+    bt_only = jax.grad(lambda p: reference(p)[0] - reference(p)[1])(params)
+    diff = jax.tree.map(lambda a, b: jnp.abs(a - b).max(), want_grad, bt_only)
+    assert max(float(x) for x in jax.tree.leaves(diff)) > 1e-3
 
 
 def _load_repro():
