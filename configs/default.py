@@ -102,8 +102,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.reward.shaping.repetition_threshold = 0.0  # repetition ratio below this is free
     c.reward.rm_adjust = ml_collections.ConfigDict()
     c.reward.rm_adjust.tiered = True  # a verified-correct answer always outranks a wrong one
-    c.reward.rm_adjust.margin = 0.05  # RM spread within a correctness tier (< 0.5)
-    c.reward.rm_adjust.dead_zone = 0.0  # RM differences below this count as ties
+    # RM spread within a tier; None: half the bound (1/G) under which tiers cannot invert
+    c.reward.rm_adjust.margin = ml_collections.config_dict.placeholder(float)
+    c.reward.rm_adjust.dead_zone = 0.75  # BT-logit gaps below this tie (repro_inversion.py)
     c.reward.rm_adjust.rank = True  # rank-normalise RM scores within a tier
     c.reward.rm_adjust.squash_scale = 1.0  # scale of the squash before the margin
 

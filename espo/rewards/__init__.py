@@ -10,12 +10,23 @@ per-sample timeout is the pool's business). Modules:
   * `pool`: the process pool that scores samples with per-sample timeouts.
   * `reward_model`: advantage-inversion metrics, `adjust_rewards` (correctness tiers, tie
     dead-zone, ranks) and a Bradley-Terry reward model on the espo backbone.
-  * `judge`: round-robin Better / Tie / Worse rewards from a pairwise generative judge.
+  * `judge`: round-robin Better / Tie / Worse rewards from a pairwise judge (`JudgeScores`,
+    never verifiable: judge-only groups with no spread go to zero-variance elimination).
+  * `generative_judge`: the pairwise judge backed by an espo model and a prompt template.
 """
 
 import importlib
 
-_SUBMODULES = ("extract", "judge", "math", "pool", "procedural", "reward_model", "shaping")
+_SUBMODULES = (
+    "extract",
+    "generative_judge",
+    "judge",
+    "math",
+    "pool",
+    "procedural",
+    "reward_model",
+    "shaping",
+)
 __all__ = list(_SUBMODULES)
 
 
