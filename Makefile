@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/default.py
 
-.PHONY: run test lint format clean
+.PHONY: run test lint format clean mutmut
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,5 +27,15 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+$(VENV)/.installed-dev: $(VENV)/.installed-test
+	$(PY) -m pip install -q -e '.[test,dev]'
+	touch $@
+
+# Mutation testing of the numerics modules ([tool.mutmut] in pyproject.toml); slow: hours on 2 cores.
+MUTANTS ?=
+mutmut: $(VENV)/.installed-dev
+	$(VENV)/bin/mutmut run $(MUTANTS)
+	$(VENV)/bin/mutmut results
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache mutants
