@@ -101,8 +101,10 @@ def quantize_tensor(
         pad = [(0, 0)] * len(lead) + [(0, nr * block - rows), (0, nc * block - cols)]
         tiles = jnp.pad(jnp.abs(x), pad).reshape(*lead, nr, block, nc, block)
         amax = jnp.max(tiles, axis=(-3, -1))  # [*lead, nr, nc]
-    # An all-zero channel / block gets scale 1 (amax / 448 could be subnormal: flushed to 0).
-    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    # An all-zero channel / block gets scale 1. A tiny one (amax < 448 * 2^-126) gets float32's
+    # smallest normal: amax / 448 would be subnormal, flushed to 0 on CPU, and 0 / 0 = NaN.
+    tiny = jnp.finfo(jnp.float32).tiny
+    scales = jnp.where(amax > 0, jnp.maximum(amax / FP8_MAX, tiny), 1.0)
     full = _expand_scales(scales, block, rows=rows, cols=cols)
     values = jnp.clip(x / full, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).reshape(w.shape)
     return Fp8Tensor(

@@ -122,18 +122,29 @@ def misbehaving_reward(prompt: str, completion: str, meta) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class CountingModel:
-    """A `SamplingModel` whose next token is (token + 1) % vocab with near-certainty.
+    """A `SamplingModel` whose next token after t is (t + 1) % vocab (near-certain by default).
 
-    Completion lengths are therefore known in advance (from a last prompt token t, EOS = vocab-1
-    comes after vocab-1-t tokens), and the "expert" of a token is token % 3, so every position of
-    a router trace can be checked. `step_delay_s` makes each forward take that long (a host
-    callback), standing in for a model whose decode is slow.
+    The next-token logits after token t are `sharpness + spread * (t % 3)` at (t + 1) % vocab and
+    0 elsewhere. With the default sharpness 30 the next token is near-certain (log-probs and
+    entropies ~1e-12): completion lengths are known in advance (from a last prompt token t,
+    EOS = vocab-1 comes after vocab-1-t tokens). A small sharpness gives a real distribution
+    (sharpness 0: uniform; sharpness 1, spread 1: p(peak) = 0.28 / 0.51 / 0.74 for vocab 8, so
+    log-probs, entropies and their positions can all be told apart). The "expert" of a token is
+    token % 3, so every position of a router trace can be checked. `step_delay_s` makes each
+    forward take that long (a host callback), standing in for a model whose decode is slow.
     """
 
     vocab: int = 8
     num_layers: int = 1
     top_k: int = 1
     step_delay_s: float = 0.0
+    sharpness: float = 30.0  # logit of the next token (others 0)
+    spread: float = 0.0  # added to the next token's logit per unit of token % 3
+
+    def logits(self, tokens):
+        """Next-token logits [B, T, V] after each token of `tokens` [B, T] (see the docstring)."""
+        peak = self.sharpness + self.spread * (tokens % 3)  # [B, T]
+        return peak[..., None] * jax.nn.one_hot((tokens + 1) % self.vocab, self.vocab)
 
     def init_cache(self, *, batch, max_length):
         from espo.model import layers
@@ -150,7 +161,7 @@ class CountingModel:
         from espo.model import layers, transformer
 
         del params
-        logits = 30.0 * jax.nn.one_hot((tokens + 1) % self.vocab, self.vocab)  # [B, T, V]
+        logits = self.logits(tokens)  # [B, T, V]
         if self.step_delay_s:
             delay = self.step_delay_s
 

@@ -1,11 +1,20 @@
-"""The sampler: exact sequences with a fake model, and consistency with the full forward."""
+"""The sampler: exact sequences with a fake model, real distributions, randomness, continuation.
+
+Fakes (`espo.testing.CountingModel`): the default one is near-deterministic (exact sequences);
+`SOFT` has a real distribution whose shape depends on the token (log-probs, entropies and their
+positions can be told apart); `UNIFORM` draws every token with probability 1/8. Per-token
+log-probs and entropies are checked against a recompute by the model on the returned tokens.
+"""
 
 import functools
+from unittest import mock
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from espo import model, quant, sampler, scheduling, testing
 
@@ -31,6 +40,161 @@ def test_fake_model_exact_sequences_eos_and_trace():
     tokens, mask = out.training_inputs()
     want_ids = np.where(mask, np.asarray(tokens) % 3, -1)
     np.testing.assert_array_equal(out.router.expert_ids[:, 0, :, 0], want_ids)
+
+
+SOFT = testing.CountingModel(sharpness=1.0, spread=1.0)  # p(peak) 0.28 / 0.51 / 0.74
+UNIFORM = testing.CountingModel(sharpness=0.0)
+V = 8  # the fakes' vocabulary
+
+
+def _recompute(logits_fn, out: sampler.SampleOutput, temperature: float):
+    """(log-prob of each returned token, full-vocabulary entropy) [R, Tg] from one forward.
+
+    logp_t = log_softmax(logits_{t-1} / temperature)[token_t] over the prompt + completion the
+    sampler returned (temperature 0 = greedy: temperature 1), in float32.
+    """
+    tokens, mask = out.training_inputs()
+    logits = logits_fn(tokens, mask).astype(jnp.float32)  # [R, Tp + Tg, V]
+    Tp = out.prompt_tokens.shape[1]
+    scale = 1.0 if temperature == 0 else temperature
+    logp = jax.nn.log_softmax(logits[:, Tp - 1 : -1] / scale, axis=-1)  # predicts completion t
+    token_logp = jnp.take_along_axis(logp, out.tokens[..., None], axis=-1)[..., 0]  # [R, Tg]
+    return token_logp, -jnp.sum(jnp.exp(logp) * logp, axis=-1), logp
+
+
+def _fake_logits(fake):
+    return lambda tokens, mask: fake.logits(tokens)
+
+
+def _assert_matches_recompute(out, logits_fn, temperature, *, atol=1e-5):
+    token_logp, entropy, logp = _recompute(logits_fn, out, temperature)
+    m = np.asarray(out.mask)
+    np.testing.assert_allclose(out.logps[m], token_logp[m], atol=atol, rtol=atol)
+    np.testing.assert_allclose(out.entropies[m], entropy[m], atol=atol, rtol=atol)
+    assert (np.asarray(out.logps)[~m] == 0).all() and (np.asarray(out.entropies)[~m] == 0).all()
+    assert (np.asarray(out.entropies)[m] >= 0).all()
+    return logp
+
+
+def _sample_fake(fake, *, key=0, num_samples=4, max_new_tokens=16, gen_bucket=16, **kw):
+    prompts = np.array([[1, 2, 0], [4, 6, 5], [0, 3, 3]])
+    args = dict(
+        key=jax.random.key(key), num_samples=num_samples, max_new_tokens=max_new_tokens,
+        eos_id=V - 1, pad_id=PAD,
+        buckets=scheduling.LengthBuckets(prompt_buckets=(4,), generation_buckets=(gen_bucket,)),
+    )  # fmt: skip
+    return sampler.sample(fake, None, prompts, np.array([2, 3, 3]), **(args | kw))
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"),
+    [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.5, 1.0, 3), (1.3, 0.9, 4), (0.0, 1.0, 0)],
+)
+def test_soft_fake_logps_entropies_and_trace_equal_a_recompute(temperature, top_p, top_k):
+    """Per-token log-probs of the tempered, *untruncated* distribution, entropies >= 0."""
+    out = _sample_fake(SOFT, temperature=temperature, top_p=top_p, top_k=top_k)
+    logp = _assert_matches_recompute(out, _fake_logits(SOFT), temperature)
+    m = np.asarray(out.mask)
+    # A real distribution: entropies vary with the token and are never the log-probs.
+    assert len(np.unique(np.round(np.asarray(out.entropies)[m], 4))) == 3
+    assert (np.asarray(out.logps)[m] < -1e-3).all() and (np.asarray(out.entropies)[m] > 0.3).all()
+    # Sampled tokens lie in the truncated support (rank among strictly larger log-probs).
+    token_logp = np.asarray(out.logps)[..., None]
+    rank = np.sum(np.asarray(logp) > token_logp + 1e-6, axis=-1)
+    if temperature == 0 or top_k == 1:
+        assert (rank[m] == 0).all()
+    elif top_k:
+        assert (rank[m] < top_k).all()
+    # The trace holds each position's own token % 3, -1 on padding.
+    tokens, tmask = out.training_inputs()
+    want_ids = np.where(tmask, np.asarray(tokens) % 3, -1)
+    np.testing.assert_array_equal(out.router.expert_ids[:, 0, :, 0], want_ids)
+    if temperature:  # stochastic: some rows of a prompt differ, and lengths vary
+        assert len({tuple(r) for r in np.asarray(out.tokens)}) > 6
+
+
+def test_randomness_across_rows_steps_and_keys():
+    """Uniform logits over 8 tokens, 16 rows x 32 steps, EOS never sampled.
+
+    Every (row, step) must be a fresh draw: a key reused at every decode step makes each row
+    repeat one token; one uniform shared by all rows makes the rows identical; the same key
+    must reproduce the draw bit for bit and another key must draw differently.
+    """
+    run = functools.partial(
+        _sample_fake, UNIFORM, num_samples=8, max_new_tokens=32, gen_bucket=32, eos_id=99
+    )
+    out = run()
+    tokens = np.asarray(out.tokens)  # [24, 32]
+    assert out.mask.all()
+    np.testing.assert_allclose(out.logps, -np.log(V), atol=1e-6)
+    np.testing.assert_allclose(out.entropies, np.log(V), atol=1e-6)
+    # Frequencies: chi-square with 7 degrees of freedom (P(> 30) ~ 1e-4 when uniform).
+    counts = np.bincount(tokens.ravel(), minlength=V)
+    expected = tokens.size / V
+    assert np.sum((counts - expected) ** 2 / expected) < 30, counts
+    # Each row moves (>= 4 distinct tokens of 8 in 32 draws), each step varies across rows,
+    # consecutive draws are independent (~1/8 equal), and no two rows are equal.
+    assert min(len(set(r)) for r in tokens) >= 4
+    assert min(len(set(c)) for c in tokens.T) >= 3
+    assert np.mean(tokens[:, 1:] == tokens[:, :-1]) < 0.25
+    assert len({tuple(r) for r in tokens}) == len(tokens)
+    again = run()
+    np.testing.assert_array_equal(again.tokens, tokens)
+    np.testing.assert_array_equal(again.logps, out.logps)
+    other = run(key=7)
+    assert np.mean(np.asarray(other.tokens) == tokens) < 0.25
+
+
+def _continue(fake, prompts, mask, key, *, budgets, temperature, eos_id):
+    """One pass with budgets[-1], and the same key run in chunks continuing from a Prefix."""
+    run = functools.partial(
+        sampler.sample_chunk, fake, None, jnp.asarray(prompts), jnp.asarray(mask), key,
+        num_samples=1, gen_len=16, temperature=temperature, top_p=1.0, top_k=0,
+        ids=(eos_id, PAD),
+    )  # fmt: skip
+    chunks = [run(jnp.asarray(budgets[0]))]
+    for b in budgets[1:]:
+        prev = chunks[-1]
+        prefix = sampler.Prefix(
+            tokens=prev.tokens, lengths=prev.lengths, logps=prev.logps, entropies=prev.entropies
+        )
+        chunks.append(run(jnp.asarray(b), prefix))
+    return run(jnp.asarray(budgets[-1])), chunks
+
+
+def test_soft_fake_continuing_greedy_in_chunks_equals_one_pass():
+    # Last prompt tokens 3, 2, 0 reach EOS (7) after 4, 5, 7 tokens; budget 6 cuts the last.
+    # Chunks of 3 then 6: every row is unfinished after the first (as the rollout continues).
+    prompts, mask = sampler.left_pad([[5, 3], [2], [1, 0]], [2, 1, 2], width=4, pad_id=PAD)
+    whole, chunks = _continue(
+        SOFT, prompts, mask, jax.random.key(0), budgets=(3, 6), temperature=0.0, eos_id=V - 1
+    )
+    np.testing.assert_array_equal(whole.lengths, [4, 5, 6])
+    np.testing.assert_array_equal(whole.finished, [True, True, False])
+    rest = chunks[-1]
+    for name in ("tokens", "lengths", "finished", "mask"):
+        np.testing.assert_array_equal(getattr(rest, name), getattr(whole, name), err_msg=name)
+    np.testing.assert_allclose(rest.logps, whole.logps, atol=1e-6)
+    np.testing.assert_allclose(rest.entropies, whole.entropies, atol=1e-6)
+    np.testing.assert_array_equal(rest.router.expert_ids, whole.router.expert_ids)
+    _assert_matches_recompute(rest, _fake_logits(SOFT), 0.0)
+    assert (np.asarray(rest.entropies)[np.asarray(rest.mask)] > 0.5).all()
+
+
+def test_soft_fake_sampled_continuation_keeps_prefix_logps_and_entropies():
+    """Sampled chunks of 3, 7 then 12 tokens: each continuation keeps its prefix's log-probs
+    and entropies as they were and its new ones equal the recompute (EOS never sampled)."""
+    prompts, mask = sampler.left_pad([[5, 3], [2], [1, 0]], [2, 1, 2], width=4, pad_id=PAD)
+    _, chunks = _continue(
+        SOFT, prompts, mask, jax.random.key(3), budgets=(3, 7, 12), temperature=1.0, eos_id=99
+    )
+    for before, after in zip(chunks[:-1], chunks[1:], strict=True):
+        n = int(before.lengths[0])
+        np.testing.assert_array_equal(after.tokens[:, :n], before.tokens[:, :n])
+        np.testing.assert_array_equal(after.logps[:, :n], before.logps[:, :n])
+        np.testing.assert_array_equal(after.entropies[:, :n], before.entropies[:, :n])
+        _assert_matches_recompute(after, _fake_logits(SOFT), 1.0)
+    np.testing.assert_array_equal(chunks[-1].lengths, 12)
 
 
 CFG = model.ModelConfig.tiny(vocab_size=64)
@@ -61,13 +225,12 @@ def _full_forward(params, out):
     return full, logp, mask
 
 
-def test_logps_entropies_and_trace_equal_the_full_forward(params):
-    out = _sample(params)
-    full, logp, mask = _full_forward(params, out)
-    token_logp = jnp.take_along_axis(logp, out.tokens[..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-    np.testing.assert_allclose(out.logps[out.mask], token_logp[out.mask], atol=1e-4)
-    np.testing.assert_allclose(out.entropies[out.mask], entropy[out.mask], atol=1e-4)
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.7, 0.9, 20)])
+def test_logps_entropies_and_trace_equal_the_full_forward(params, temperature, top_p, top_k):
+    out = _sample(params, temperature=temperature, top_p=top_p, top_k=top_k)
+    full, _, mask = _full_forward(params, out)
+    logits_fn = lambda tokens, mask: full.logits
+    _assert_matches_recompute(out, logits_fn, temperature, atol=1e-4)
     real = np.asarray(mask)[:, None, :, None]
     np.testing.assert_array_equal(
         np.where(real, out.router.expert_ids, -1), np.where(real, full.router.expert_ids, -1)
@@ -154,21 +317,62 @@ def test_continuing_from_a_prefix_equals_one_pass(params):
     np.testing.assert_array_equal(rest.router.expert_ids, whole.router.expert_ids)
 
 
-@pytest.mark.parametrize(
-    ("top_k", "top_p", "kept"),
-    [(0, 1.0, [0, 1, 2, 3]), (2, 1.0, [0, 1]), (0, 0.75, [0, 1, 2])],
-)
-def test_choose_tokens_samples_the_truncated_distribution(top_k, top_p, kept):
-    # p = (0.4, 0.3, 0.2, 0.1) at temperature 2 (logits doubled); the nucleus 0.75 keeps 3.
-    probs = np.array([0.4, 0.3, 0.2, 0.1])
-    logits = jnp.tile(jnp.log(jnp.asarray(probs)) * 2.0, (40_000, 1))
-    tokens, logps, entropies = sampler.choose_tokens(
-        logits, jax.random.key(3), temperature=2.0, top_p=top_p, top_k=top_k
+class ChooseTokensTest(chex.TestCase):
+    """The decode step alone, jitted and not."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        ("untruncated", 0, 1.0, [0, 1, 2, 3]),
+        ("top_k", 2, 1.0, [0, 1]),
+        # Nucleus: the smallest set of most likely tokens with mass >= top_p. Masses before
+        # each token are 0, .4, .7, .9: top_p .75 keeps 3 tokens, .65 keeps 2 (not 1, not 3).
+        ("top_p", 0, 0.75, [0, 1, 2]),
+        ("top_p_two", 0, 0.65, [0, 1]),
+        ("top_p_one", 0, 0.35, [0]),
+        # top-p applies to the top-k renormalised distribution (as vLLM): .4/.9, .3/.9, .2/.9;
+        # masses before are 0, .44, .78, so top_p .75 keeps 2 (3 against the raw mass).
+        ("top_k_then_top_p", 3, 0.75, [0, 1]),
     )
-    want = np.zeros(4)
-    want[kept] = probs[kept] / probs[kept].sum()
-    freq = np.bincount(np.asarray(tokens), minlength=4) / len(tokens)
-    np.testing.assert_allclose(freq, want, atol=0.01)  # ~4 standard errors
-    # logps / entropies are those of the untruncated tempered distribution.
-    np.testing.assert_allclose(logps, np.log(probs)[np.asarray(tokens)], rtol=1e-5)
-    np.testing.assert_allclose(entropies, -np.sum(probs * np.log(probs)), rtol=1e-5)
+    def test_samples_the_truncated_distribution(self, top_k, top_p, kept):
+        # p = (0.4, 0.3, 0.2, 0.1) at temperature 2 (logits doubled).
+        probs = np.array([0.4, 0.3, 0.2, 0.1])
+        logits = jnp.tile(jnp.log(jnp.asarray(probs)) * 2.0, (40_000, 1))
+        choose = functools.partial(sampler.choose_tokens, temperature=2.0, top_p=top_p, top_k=top_k)
+        tokens, logps, entropies = self.variant(choose)(logits, jax.random.key(3))
+        want = np.zeros(4)
+        want[kept] = probs[kept] / probs[kept].sum()
+        freq = np.bincount(np.asarray(tokens), minlength=4) / len(tokens)
+        np.testing.assert_allclose(freq, want, atol=0.01)  # ~4 standard errors
+        # logps / entropies are those of the untruncated tempered distribution.
+        np.testing.assert_allclose(logps, np.log(probs)[np.asarray(tokens)], rtol=1e-5)
+        np.testing.assert_allclose(entropies, -np.sum(probs * np.log(probs)), rtol=1e-5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("u_zero", 0.0, 1), ("u_one", 1.0, 2))
+    def test_inverse_cdf_ends_land_on_kept_tokens(self, u, want):
+        # p = (.1, .4, .3, .2), top_k 2 keeps tokens 1 and 2; cdf = (0, .4, .7, .7). u = 0 must
+        # skip the zero-mass token 0 (first cdf > u); u = total mass (float rounding of
+        # u * cdf[-1]) must not run past the last kept token to index 4 / token 3.
+        logits = jnp.log(jnp.array([[0.1, 0.4, 0.3, 0.2]] * 3))
+        fixed = lambda key, shape, *a, **k: jnp.full(shape, u, jnp.float32)
+        choose = functools.partial(sampler.choose_tokens, temperature=1.0, top_p=1.0, top_k=2)
+        with mock.patch.object(jax.random, "uniform", fixed):
+            tokens, logps, _ = self.variant(choose)(logits, jax.random.key(0))
+        np.testing.assert_array_equal(tokens, [want] * 3)
+        chex.assert_tree_all_finite(logps)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_rows_draw_independently_and_greedy_is_argmax(self):
+        logits = jnp.zeros((256, 8))
+        choose = functools.partial(sampler.choose_tokens, temperature=1.0, top_p=1.0, top_k=0)
+        tokens, _, _ = self.variant(choose)(logits, jax.random.key(0))
+        counts = np.bincount(np.asarray(tokens), minlength=8)
+        assert counts.min() >= 16, counts  # ~32 each; one draw shared by all rows: one bin
+        greedy = functools.partial(sampler.choose_tokens, temperature=0.0, top_p=1.0, top_k=0)
+        soft = jnp.log(jnp.array([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]]))
+        tokens, logps, entropies = self.variant(greedy)(soft * 3.0, jax.random.key(0))
+        np.testing.assert_array_equal(tokens, [1, 0])
+        # Greedy reports the untempered (temperature 1) distribution of the logits it is given.
+        want = jax.nn.log_softmax(soft * 3.0)
+        np.testing.assert_allclose(logps, [want[0, 1], want[1, 0]], rtol=1e-6)
+        np.testing.assert_allclose(entropies, -jnp.sum(jnp.exp(want) * want, -1), rtol=1e-6)
