@@ -1,0 +1,147 @@
+"""Invariances of espo.losses as hypothesis properties, on jitted losses (one compile per config).
+
+- micro-batching: for any split of the rows into two micro-batches (the other rows masked, their
+  contents left in place), sum(numerator) / sum(denominator) and the accumulated gradient equal
+  the full batch's (module docstring of espo.losses);
+- permuting the rows leaves the loss unchanged and permutes the gradient;
+- GSPO with a constant log ratio per sequence equals GRPO (s_i = r_t for every token);
+- ESPO with one entropy group equals GSPO with symmetric eps = alpha mean(e) / log|V|.
+All with asymmetric clip ranges, a KL term and failed (all-padding) rows.
+"""
+
+import functools
+import math
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from espo import losses
+
+B, T = 4, 6
+
+MICRO_BATCH_CONFIGS = [
+    *(
+        dict(name="grpo", agg=agg, clip_low=0.1, clip_high=0.25, dual_clip=2.0, kl_coef=0.05)
+        for agg in losses.AGG_MODES
+    ),
+    dict(name="grpo", agg="seq-mean-token-sum-norm", norm_length=11, kl_estimator="k2", kl_coef=1),
+    dict(name="gspo", clip_low=0.02, clip_high=0.05, kl_coef=0.05),
+    dict(name="gspo", agg="seq-mean-token-sum", clip_low=0.02, clip_high=0.05),
+    dict(name="espo", vocab_size=40, alpha=0.3, top_frac=0.3, kl_coef=0.05),
+    dict(name="espo", vocab_size=40, alpha=0.3, num_groups=3, espo_ratio="literal"),
+    dict(name="cispo", clip_low=0.2, clip_high=0.1, kl_coef=0.05),
+    dict(name="cispo", agg="seq-mean-token-mean", clip_low=0.5, clip_high=0.05),
+]
+
+
+@functools.cache
+def num_den_grad(cfg: losses.LossConfig):
+    """jit((batch) -> (numerator, denominator, d numerator / d logps)), compiled once per cfg."""
+
+    @jax.jit
+    def f(batch):
+        def num(logps):
+            out = losses.compute_loss(cfg, **{**batch, "logps": logps})
+            return out.numerator, out.denominator
+
+        (n, d), g = jax.value_and_grad(num, has_aux=True)(batch["logps"])
+        return n, d, g
+
+    return f
+
+
+def make_batch(seed, *, scale=0.3):
+    """float32 inputs with ragged lengths (0 allowed: a failed row) and token advantages."""
+    rng = np.random.default_rng(seed)
+    old = rng.normal(-1.5, 0.5, (B, T))
+    lengths = rng.integers(0, T + 1, B)
+    batch = dict(
+        logps=old + rng.normal(0.0, scale, (B, T)),
+        old_logps=old,
+        advantages=rng.normal(0.0, 1.0, (B, T)),
+        mask=np.arange(T)[None, :] < lengths[:, None],
+        entropies=rng.uniform(0.0, 3.0, (B, T)),
+        ref_logps=old + rng.normal(0.0, 0.2, (B, T)),
+    )
+    return {
+        k: jnp.asarray(v) if k == "mask" else jnp.asarray(v, jnp.float32) for k, v in batch.items()
+    }
+
+
+def loss_and_grad(cfg, batch):
+    n, d, g = num_den_grad(cfg)(batch)
+    d = np.where(float(d) > 0, float(d), 1.0)
+    return float(n) / d, np.asarray(g) / d
+
+
+configs = st.sampled_from(MICRO_BATCH_CONFIGS).map(lambda c: losses.LossConfig(**c))
+seeds = st.integers(0, 2**16)
+
+
+@hypothesis.settings(max_examples=30)
+@hypothesis.given(cfg=configs, seed=seeds, split=st.lists(st.booleans(), min_size=B, max_size=B))
+def test_micro_batches_accumulate_exactly_for_any_split(cfg, seed, split):
+    # Wrong answers: the mean of the micro-batch losses; a denominator that counts masked rows.
+    batch = make_batch(seed)
+    full_n, full_d, full_g = num_den_grad(cfg)(batch)
+    split = np.array(split)
+    parts = [
+        num_den_grad(cfg)(dict(batch, mask=batch["mask"] & keep[:, None]))
+        for keep in (split, ~split)
+    ]
+    num = sum(float(p[0]) for p in parts)
+    den = sum(float(p[1]) for p in parts)
+    assert den == float(full_d)
+    np.testing.assert_allclose(num, float(full_n), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sum(np.asarray(p[2]) for p in parts), full_g, rtol=1e-5, atol=1e-7)
+
+
+@hypothesis.settings(max_examples=30)
+@hypothesis.given(cfg=configs, seed=seeds, perm=st.permutations(range(B)))
+def test_permuting_rows_permutes_gradient_and_keeps_loss(cfg, seed, perm):
+    batch = make_batch(seed)
+    perm = np.array(perm)
+    loss, grad = loss_and_grad(cfg, batch)
+    loss_p, grad_p = loss_and_grad(cfg, {k: v[perm] for k, v in batch.items()})
+    np.testing.assert_allclose(loss_p, loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad_p, grad[perm], rtol=1e-5, atol=1e-7)
+
+
+@hypothesis.settings(max_examples=25)
+@hypothesis.given(
+    seed=seeds,
+    agg=st.sampled_from(losses.AGG_MODES),
+    log_r=st.lists(st.floats(-0.5, 0.5), min_size=B, max_size=B),
+)
+def test_gspo_with_constant_ratio_per_sequence_is_grpo(seed, agg, log_r):
+    # log r_{i,t} = c_i for every token: GRPO's token ratio r_t = exp(c_i) = GSPO's s_i, so the
+    # same clip range and aggregation give the same value and gradient (per-row advantages).
+    batch = make_batch(seed)
+    batch["logps"] = batch["old_logps"] + jnp.asarray(log_r, jnp.float32)[:, None]
+    batch["advantages"] = batch["advantages"][:, 0]
+    kw = dict(clip_low=0.15, clip_high=0.3, agg=agg, kl_coef=0.05)
+    grpo = loss_and_grad(losses.LossConfig(name="grpo", **kw), batch)
+    gspo = loss_and_grad(losses.LossConfig(name="gspo", **kw), batch)
+    np.testing.assert_allclose(gspo[0], grpo[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gspo[1], grpo[1], rtol=1e-4, atol=1e-6)
+
+
+@hypothesis.settings(max_examples=25)
+@hypothesis.given(seed=seeds, entropy=st.floats(0.1, 3.0))
+def test_espo_with_one_group_is_gspo_with_symmetric_eps(seed, entropy):
+    # num_groups = 1 puts every token of a sequence in one group, so s_g = s_i; with all-equal
+    # entropies e, eps = alpha e / log|V| for every sequence. A small log-ratio scale makes some
+    # sequences clip and some not.
+    batch = make_batch(seed, scale=0.02)
+    batch["entropies"] = jnp.full((B, T), entropy, jnp.float32)
+    batch["advantages"] = batch["advantages"][:, 0]
+    espo = losses.LossConfig(name="espo", vocab_size=40, alpha=0.05, num_groups=1, kl_coef=0.05)
+    eps = 0.05 * float(np.float32(entropy)) / math.log(40)
+    gspo = losses.LossConfig(name="gspo", clip_low=eps, clip_high=eps, kl_coef=0.05)
+    want = loss_and_grad(gspo, batch)
+    got = loss_and_grad(espo, batch)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-6)
