@@ -14,9 +14,26 @@ zero advantage, so its rollouts are wasted (papers.md §1.1). Owned here, stage 
      informative groups, leftovers kept in a `ResampleBuffer`; "rl_zvp" keeps ZVP groups for
      `espo.advantages.rl_zvp`; "drop" discards them.
 
-Invariants: a group is zero-variance iff max(rewards) - min(rewards) <= atol, the definition of
-`espo.advantages.zero_variance_mask`, evaluated in numpy since groups live on the host with ragged
-G. A sample "passes" when its reward is > `success_threshold` (default 0, RL-ZVP's "correct").
+The rules (shared with `espo.advantages.compute`, issue 7):
+  * Validity: a sample whose reward call failed (`Group.valid` False, from Rollout.reward_ok)
+    contributes nothing: it is left out of zero-variance detection and of `PassRateHistory`,
+    and is counted ("zve/invalid_samples"). A group with fewer than 2 valid samples has no
+    signal: it is never informative ("zve/no_signal_groups").
+  * Zero-variance is judged on the VERIFIER rewards (`Group.verifier_rewards`: `raw_rewards`
+    before shaping when given, else `rewards`) of the valid samples: max - min <= atol, the test
+    of `espo.advantages.compute`, evaluated in numpy since groups live on the host with ragged
+    G. Shaping breaks ties only in the final reward, which the advantage adds centred and
+    unscaled, so a group tied on the verifier stays zero-variance for the optimiser: "resample"
+    and "drop" never keep it, and "rl_zvp" gives it RL-ZVP (if verifiable).
+    `zve/post_shaping_zvp_rate` still measures the ties left in the shaped rewards.
+  * A sample "passes" when its verifier reward is > `success_threshold` (default 0, RL-ZVP's
+    "correct"). Unverifiable groups (`Group.verifiable` False, e.g. a judge's rewards, which
+    are relative) have no pass rate and do not update `PassRateHistory`.
+  * Resample carry-over is off by default (`max_carry_over_steps=0`, as in DAPO). When on, a
+    group carried into a later batch has `Group.age` = the optimiser steps since it was sampled
+    (0: sampled for this batch); its payload keeps the old log-probs and router trace of the
+    policy that sampled it, so the trainer's importance ratios are against that behaviour
+    policy (an off-policy sample by `age` steps), not the current pi_old.
 Metric keys start with "zve/"; a ratio is omitted when its denominator is 0 (counts never are).
 """
 
@@ -47,10 +64,23 @@ def prompt_id(prompt: Prompt) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def is_zero_variance(rewards: np.ndarray, *, atol: float = 1e-6) -> bool:
-    """True when the group's rewards all lie within `atol` of each other (max - min)."""
+def is_zero_variance(
+    rewards: np.ndarray, *, atol: float = 1e-6, valid: np.ndarray | None = None
+) -> bool:
+    """True when the valid rewards all lie within `atol` of each other (max - min).
+
+    No spread at all (fewer than 2 valid samples) also counts as True here; `is_informative`
+    tells the two apart. Invalid entries may hold anything (NaN): they are never read.
+    """
     rewards = np.asarray(rewards, np.float32)  # [G]
-    return bool(rewards.size == 0 or np.ptp(rewards) <= atol)
+    if valid is not None:
+        rewards = rewards[np.asarray(valid, bool)]  # host numpy: ragged is fine
+    return bool(rewards.size < 2 or np.ptp(rewards) <= atol)
+
+
+def is_informative(group: Group, *, atol: float = 1e-6) -> bool:
+    """>= 2 valid samples whose verifier rewards differ by more than atol (GRPO has signal)."""
+    return not is_zero_variance(group.verifier_rewards, atol=atol, valid=group.valid_mask)
 
 
 # ---------------------------------------------------------------- stage 1: offline pre-filter
@@ -277,13 +307,20 @@ class PassRateHistory:
         return cls(success_threshold=table.success_threshold, counts=counts, **kwargs)
 
     def update(self, groups: Sequence[Group]) -> None:
-        """Adds each group's passes (raw rewards, before shaping, when present)."""
+        """Adds each group's passes and failures: verifier rewards of its valid samples only.
+
+        Unverifiable groups (a judge's relative rewards) and groups with no valid sample are
+        skipped: they say nothing about the prompt's pass rate.
+        """
         for group in groups:
-            rewards = group.rewards if group.raw_rewards is None else group.raw_rewards
-            passes = float((np.asarray(rewards) > self.success_threshold).sum())
+            valid = group.valid_mask
+            if not group.verifiable or not valid.any():
+                continue
+            passed = np.asarray(group.verifier_rewards) > self.success_threshold  # [G]
+            passes = float((passed & valid).sum())
             c = self.counts.setdefault(group.prompt_id, [0.0, 0.0])
             c[0] = self.decay * c[0] + passes
-            c[1] = self.decay * c[1] + (len(rewards) - passes)
+            c[1] = self.decay * c[1] + (float(valid.sum()) - passes)
 
     def pass_rates(self, prompt_ids: Sequence[str]) -> np.ndarray:
         """float64 [P] posterior means; NaN for prompts never seen."""
@@ -334,7 +371,7 @@ class ZveConfig:
     max_resample_rounds: int = 4  # resample: generate calls allowed after the first, per batch
     oversample: float = 1.0  # resample: prompts drawn per round >= missing groups * this
     max_oversample: float = 4.0  # resample: cap of the adaptive factor 1 / informative rate
-    max_carry_over_steps: int = 1  # resample: later steps a leftover group may fill; 0: none
+    max_carry_over_steps: int = 0  # resample: later steps a leftover may fill; 0 (DAPO): none
     atol: float = 1e-6  # rewards within atol (max - min) make a zero-variance group
     prefilter: str = "drop"  # offline stage: "off", "drop" or "downweight"
     prefilter_low: float = 0.0  # pass rates <= this are flagged (never solved)
@@ -367,12 +404,41 @@ class Group:
 
     prompt_id: str
     rewards: np.ndarray  # float32 [G] final rewards (after shaping)
-    raw_rewards: np.ndarray | None = None  # float32 [G] before shaping; measures the reward stage
-    payload: Any = None  # opaque: tokens, log-probs, entropies, router trace...
+    raw_rewards: np.ndarray | None = None  # float32 [G] verifier rewards, before shaping
+    valid: np.ndarray | None = None  # bool [G] reward call succeeded (reward_ok); None: all
+    verifiable: bool = True  # False: rewards without absolute correctness (a judge)
+    age: int = 0  # optimiser steps since sampling; > 0 only for carried-over resample groups
+    payload: Any = None  # opaque: tokens, old log-probs, entropies, router trace (of its policy)
+
+    def __post_init__(self) -> None:
+        shape = np.shape(self.rewards)
+        for name in ("raw_rewards", "valid"):
+            value = getattr(self, name)
+            if value is not None and np.shape(value) != shape:
+                raise ValueError(f"Group.{name} has shape {np.shape(value)}; need {shape}")
+        if not _is_int(self.age) or self.age < 0:
+            raise ValueError(f"Group.age={self.age!r}; valid: an int >= 0")
 
     @property
     def group_size(self) -> int:
         return int(np.size(self.rewards))
+
+    @property
+    def verifier_rewards(self) -> np.ndarray:
+        """float32 [G]: the rewards before shaping (`raw_rewards`, else `rewards`)."""
+        return self.rewards if self.raw_rewards is None else self.raw_rewards
+
+    @property
+    def valid_mask(self) -> np.ndarray:
+        """bool [G]: `valid`, or all True."""
+        if self.valid is None:
+            return np.ones(self.group_size, bool)
+        return np.asarray(self.valid, bool)
+
+    @property
+    def shaping(self) -> np.ndarray:
+        """float32 [G]: rewards - verifier rewards (what `espo.advantages.compute` centres)."""
+        return np.asarray(self.rewards, np.float32) - np.asarray(self.verifier_rewards, np.float32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -391,10 +457,11 @@ class ResampleBuffer:
         return cls(groups=groups, ages=tuple(int(a) for a in state["ages"]))
 
 
-def _group(*, prompt_id, rewards, raw_rewards=None, payload=None) -> Group:
+def _group(*, prompt_id, rewards, raw_rewards=None, valid=None, **kwargs) -> Group:
     raw = None if raw_rewards is None else np.asarray(raw_rewards, np.float32)
+    valid = None if valid is None else np.asarray(valid, bool)
     rewards = np.asarray(rewards, np.float32)
-    return Group(prompt_id=prompt_id, rewards=rewards, raw_rewards=raw, payload=payload)
+    return Group(prompt_id=prompt_id, rewards=rewards, raw_rewards=raw, valid=valid, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -423,22 +490,30 @@ def fill_batch(
     missing * clip(1 / informative rate so far, oversample, max_oversample) prompts per round for
     at most 1 + max_resample_rounds calls, keeps informative groups only, and buffers the extra;
     a batch still short is returned short (never padded with ZVP groups) and reported. "rl_zvp"
-    and "drop" make one call for the missing prompts; "drop" discards ZVP groups. `history` is
-    updated in place with every generated group, ZVP groups included.
+    and "drop" make one call for the missing prompts; "drop" discards groups that are not
+    informative, "rl_zvp" keeps them (the advantage gives them RL-ZVP, or 0 without signal).
+    "Informative" is `is_informative`: judged on verifier rewards of valid samples (see the
+    module docstring). Groups served from the buffer come back with `age` set to the steps since
+    they were sampled. `history` is updated in place with every newly generated group, ZVP
+    groups included, buffered ones not again.
     """
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}; valid: an int >= 1")
     buffer = buffer or ResampleBuffer()
     limit = config.max_carry_over_steps
     fresh = [(g, a) for g, a in zip(buffer.groups, buffer.ages, strict=True) if a < limit]
-    batch, waiting = [g for g, _ in fresh[:batch_size]], fresh[batch_size:]
+    # A leftover buffered at age 0 was sampled one optimiser step before this batch.
+    batch = [dataclasses.replace(g, age=a + 1) for g, a in fresh[:batch_size]]
+    waiting = fresh[batch_size:]
     leftovers, generated = [], []  # informative groups beyond the batch; every new group
+    informative_of: dict[int, bool] = {}  # id(group) -> is_informative, computed once
+    informative = lambda g: informative_of.setdefault(id(g), is_informative(g, atol=config.atol))
     resample = config.mode == "resample"
     calls, drawn_total, exhausted = 0, 0, False
     max_calls = 1 + config.max_resample_rounds if resample else 1
     while len(batch) < batch_size and calls < max_calls and not exhausted:
-        num_zvp = sum(is_zero_variance(g.rewards, atol=config.atol) for g in generated)
-        rate = 1.0 - num_zvp / len(generated) if generated else 1.0  # informative rate so far
+        num_informative = sum(informative(g) for g in generated)
+        rate = num_informative / len(generated) if generated else 1.0  # informative rate so far
         factor = min(config.max_oversample, max(config.oversample, 1 / max(rate, 1e-9)))
         n = math.ceil((batch_size - len(batch)) * (factor if resample else 1.0))
         drawn = list(itertools.islice(prompts, n))
@@ -457,39 +532,43 @@ def fill_batch(
             if item.group_size != g:
                 raise ValueError(f"generate returned {item.group_size} rewards for G={g}")
             generated.append(item)
-            if config.mode == "rl_zvp" or not is_zero_variance(item.rewards, atol=config.atol):
+            if config.mode == "rl_zvp" or informative(item):
                 (batch if len(batch) < batch_size else leftovers).append(item)
     if history is not None:
         history.update(generated)
-    zvp = [is_zero_variance(g.rewards, atol=config.atol) for g in generated]  # after shaping
-    rollouts, informative = sum(g.group_size for g in generated), zvp.count(False)
+    num_informative = sum(informative(g) for g in generated)
+    rollouts = sum(g.group_size for g in generated)
     aged = [(g, a + 1) for g, a in waiting] + [(g, 0) for g in leftovers]
     carried = [(g, a) for g, a in aged if a < limit]  # the rest is too old (or carry-over is off)
     groups, ages = zip(*carried, strict=True) if carried else ((), ())
+    num_valid = lambda g: int(g.valid_mask.sum())
     metrics = {
         "zve/generate_calls": float(calls),
         "zve/prompts_drawn": float(drawn_total),
         "zve/prompts_exhausted": float(exhausted),
-        "zve/carried_in": float(min(len(fresh), batch_size)),
+        "zve/carried_in": float(len(fresh[:batch_size])),
         "zve/carried_out": float(len(carried)),
         "zve/buffer_dropped": float(len(buffer.groups) - len(fresh) + len(aged) - len(carried)),
         "zve/batch_groups": float(len(batch)),
         "zve/batch_fill_fraction": len(batch) / batch_size,
         "zve/groups_generated": float(len(generated)),
         "zve/rollouts_generated": float(rollouts),
-        "zve/informative_groups_generated": float(informative),
+        "zve/informative_groups_generated": float(num_informative),
+        "zve/invalid_samples": float(sum(g.group_size - num_valid(g) for g in generated)),
+        "zve/no_signal_groups": float(sum(num_valid(g) < 2 for g in generated)),
     }
-    raw = [g.rewards if g.raw_rewards is None else g.raw_rewards for g in generated]
     if generated:
-        raw_zvp = [is_zero_variance(r, atol=config.atol) for r in raw]
-        metrics["zve/rollout_zvp_rate"] = float(np.mean(raw_zvp))  # before shaping where known
+        metrics["zve/rollout_zvp_rate"] = 1.0 - num_informative / len(generated)  # verifier
         if any(g.raw_rewards is not None for g in generated):
-            metrics["zve/post_shaping_zvp_rate"] = float(np.mean(zvp))
-    if informative:
-        metrics["zve/rollouts_per_informative_group"] = rollouts / informative
+            # A measurement of the reward stage only: ties left in the shaped rewards.
+            shaped = [is_zero_variance(g.rewards, atol=config.atol, valid=g.valid_mask)
+                      for g in generated]  # fmt: skip
+            metrics["zve/post_shaping_zvp_rate"] = float(np.mean(shaped))
+    if num_informative:
+        metrics["zve/rollouts_per_informative_group"] = rollouts / num_informative
     if batch:
-        # GRPO advantage is 0 on these; under rl_zvp they get the entropy-shaped one instead.
-        batch_zvp = [is_zero_variance(g.rewards, atol=config.atol) for g in batch]
+        # The verifier part of the advantage is 0 on these; rl_zvp gives verifiable ones RL-ZVP.
+        batch_zvp = [not informative(g) for g in batch]
         metrics["zve/optimizer_zvp_rate"] = float(np.mean(batch_zvp))
         zero = sum(g.group_size for g, z in zip(batch, batch_zvp, strict=True) if z)
         metrics["zve/zero_advantage_rollout_fraction"] = zero / sum(g.group_size for g in batch)

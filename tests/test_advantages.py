@@ -1,33 +1,67 @@
-"""Tests for espo.advantages: hand-derived GRPO / Dr.GRPO / RL-ZVP values and invariances."""
+"""Tests for espo.advantages: hand-derived values, the issue-7 rules, invariances, padding.
 
+Each hand example gives the formula and numbers; the comment names the wrong answer a plausible
+one-token bug would give, so a failure says which bug came back.
+"""
+
+import functools
+
+import chex
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
+from hypothesis import strategies as st
 
 from espo import advantages
 
 TOL = dict(rtol=1e-5, atol=1e-6)
+CFG = advantages.AdvantageConfig()
+ZVP = advantages.AdvantageConfig(rl_zvp=True)
+FILLS = (1e9, np.inf, -np.inf, np.nan)
+
+
+def flat(rewards, group_ids, num_groups, cfg=CFG, **kw):
+    return advantages.compute_jit(
+        jnp.asarray(rewards, jnp.float32),
+        group_ids=jnp.asarray(group_ids, jnp.int32),
+        num_groups=num_groups,
+        cfg=cfg,
+        **kw,
+    )
+
+
+# ---------------------------------------------------------------- GRPO / Dr.GRPO by hand
 
 
 def test_group_normalized_by_hand():
     # Row 0: [1, 0, 0, 1], mean 0.5, unbiased var = 4 * 0.25 / 3 = 1/3, std = 0.577350
-    #   -> +-0.5 / (0.577350 + 1e-6) = +-0.866024. (Biased std 0.5 would give +-1: wrong.)
+    #   -> +-0.5 / (0.577350 + 1e-6) = +-0.866024. (Biased std 0.5 (ddof 0) would give +-1.)
     # Row 1: [2, 4, 6, 8], mean 5, deviations [-3, -1, 1, 3], var = 20 / 3, std = 2.581989
     #   -> [-1.161895, -0.387298, 0.387298, 1.161895].
     rewards = jnp.array([[1.0, 0.0, 0.0, 1.0], [2.0, 4.0, 6.0, 8.0]])
     adv = advantages.group_normalized(rewards)
-    std0, std1 = np.sqrt(1 / 3), np.sqrt(20 / 3)
-    expected = [
-        np.array([0.5, -0.5, -0.5, 0.5]) / (std0 + 1e-6),
-        np.array([-3.0, -1.0, 1.0, 3.0]) / (std1 + 1e-6),
-    ]
-    np.testing.assert_allclose(adv, expected, **TOL)
     np.testing.assert_allclose(adv[0], [0.866024, -0.866024, -0.866024, 0.866024], atol=1e-6)
+    np.testing.assert_allclose(adv[1], [-1.161895, -0.387298, 0.387298, 1.161895], atol=1e-6)
     assert adv.dtype == jnp.float32
     # Dr.GRPO: only the mean is removed.
     dr = advantages.group_normalized(rewards, scale_by_std=False)
     np.testing.assert_allclose(dr, [[0.5, -0.5, -0.5, 0.5], [-3.0, -1.0, 1.0, 3.0]], **TOL)
+
+
+def test_eps_is_added_to_the_std_not_inside_the_square_root():
+    # issue 13 #1. R = [0, 0, 0, -1/4096] (a tie broken by a tiny penalty): mean = -1/16384,
+    # deviations [1, 1, 1, -3] / 16384, var = 12 / 3 / 16384^2, std = 2/16384 = 1.2207e-4.
+    #   A = (1/16384) / (1.2207e-4 + 1e-6) = 0.495937, and -3x that = -1.487812.
+    # Wrong answer (centred / sqrt(std^2 + eps)): sqrt(1.49e-8 + 1e-6) = 1.0074e-3 -> 0.0606.
+    rewards = jnp.array([[0.0, 0.0, 0.0, -1.0 / 4096]])
+    expected = [0.495937, 0.495937, 0.495937, -1.487812]
+    np.testing.assert_allclose(advantages.group_normalized(rewards)[0], expected, rtol=1e-5)
+    # The same numbers through `compute` (the trainer's path): range 2.4e-4 > atol, informative.
+    out = flat(rewards[0], [0, 0, 0, 0], 1)
+    np.testing.assert_allclose(out.advantages, expected, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scale_by_std", [True, False])
@@ -35,28 +69,138 @@ def test_degenerate_groups_get_zero_not_nan(scale_by_std):
     # G == 1 (the ddof=1 std of one sample is NaN) and zero-variance groups (0 / eps) both give 0.
     single = advantages.group_normalized(jnp.array([[1.0], [0.0]]), scale_by_std=scale_by_std)
     np.testing.assert_array_equal(single, [[0.0], [0.0]])
-    flat = advantages.group_normalized(jnp.ones((2, 4)), scale_by_std=scale_by_std)
-    np.testing.assert_array_equal(flat, np.zeros((2, 4)))
+    same = advantages.group_normalized(jnp.ones((2, 4)), scale_by_std=scale_by_std)
+    np.testing.assert_array_equal(same, np.zeros((2, 4)))
 
 
-def test_permuting_a_group_permutes_its_advantages():
-    rng = np.random.default_rng(0)
-    rewards = rng.normal(size=(3, 5)).astype(np.float32)
-    perm = rng.permutation(5)
-    adv = advantages.group_normalized(jnp.asarray(rewards))
+def test_config_errors_name_field_value_and_options():
+    with pytest.raises(ValueError, match=r"AdvantageConfig.estimator='ppo'; valid: one of"):
+        advantages.AdvantageConfig(estimator="ppo")
+    with pytest.raises(ValueError, match=r"AdvantageConfig.eps=-1.0; valid: a float >= 0"):
+        advantages.AdvantageConfig(eps=-1.0)
+    with pytest.raises(ValueError, match=r"AdvantageConfig.rl_zvp=1; valid: a bool"):
+        advantages.AdvantageConfig(rl_zvp=1)
+    with pytest.raises(ValueError, match=r"AdvantageConfig.atol='0'"):
+        advantages.AdvantageConfig(atol="0")
+
+
+# ---------------------------------------------------------------- issue 7 #1: shaping
+
+
+def test_shaping_moves_advantages_only_by_its_own_size():
+    # The issue's example: all-wrong group of 8, one response 2 tokens into DAPO's soft overlong
+    # band (L_max 1024, L_cache 256): shaping s = [0 x7, -2/256 = -0.0078125].
+    # Rule: A = 0 (zero-variance verifier rewards) + (s - mean s), mean s = -0.0009765625:
+    #   A = [+0.0009765625 x7, -0.0068359375].
+    # Wrong answer (normalising the shaped rewards, the old rule): +0.354 x7 and -2.475.
+    shaping = np.array([0.0] * 7 + [-2.0 / 256], np.float32)
+    out = flat(np.zeros(8), np.zeros(8), 1, shaping=jnp.asarray(shaping))
+    np.testing.assert_allclose(out.advantages, [0.0009765625] * 7 + [-0.0068359375], **TOL)
+    assert float(jnp.abs(out.advantages).max()) <= 2.0 / 256
+    old_rule = advantages.group_normalized(jnp.asarray(shaping)[None])[0]
+    np.testing.assert_allclose(old_rule[-1], -2.4749, atol=1e-3)  # what the bug looked like
+    np.testing.assert_array_equal(out.zero_variance_groups, [True])
+    assert float(out.metrics["adv/num_zero_variance_groups"]) == 1.0
+    # rl_zvp mode: the group is zero-variance on the verifier, so it takes RL-ZVP (all wrong):
+    # A_{i,t} = centred shaping_i - alpha (max_k H_{i,k} - H_{i,t}); H = [1, 2] on every row:
+    #   [s_i - 0.1, s_i + 0].
+    entropies, mask = jnp.tile(jnp.array([1.0, 2.0]), (8, 1)), jnp.ones((8, 2), bool)
+    out = flat(np.zeros(8), np.zeros(8), 1, ZVP, shaping=shaping, entropies=entropies, mask=mask)
+    centred = np.array([0.0009765625] * 7 + [-0.0068359375])
+    np.testing.assert_allclose(out.advantages, np.stack([centred - 0.1, centred], 1), **TOL)
+    np.testing.assert_array_equal(out.zvp_sign, [-1] * 8)
+    assert float(out.metrics["adv/num_rl_zvp_groups"]) == 1.0
+
+
+def test_shaping_adds_centred_and_unscaled_to_an_informative_group():
+    # r = [1, 0, 0, 1] -> GRPO +-0.866024 (above); s = [0, -0.1, 0, 0], mean -0.025 ->
+    # centred [0.025, -0.075, 0.025, 0.025]. A = [0.891024, -0.941024, -0.841024, 0.891024].
+    # Wrong answer (shaping divided by the std 0.577): -0.075 / 0.577 = -0.130 on row 1.
+    out = flat([1.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], 1, shaping=jnp.array([0.0, -0.1, 0.0, 0.0]))
+    np.testing.assert_allclose(out.advantages, [0.891024, -0.941024, -0.841024, 0.891024], **TOL)
+    dr = flat([1.0, 0.0, 0.0, 1.0], [0] * 4, 1, advantages.AdvantageConfig(estimator="dr_grpo"),
+              shaping=jnp.array([0.0, -0.1, 0.0, 0.0]))  # fmt: skip
+    np.testing.assert_allclose(dr.advantages, [0.525, -0.575, -0.475, 0.525], **TOL)
+
+
+# ---------------------------------------------------------------- issue 7 #2: validity
+
+
+def test_invalid_samples_contribute_nothing():
+    # Group 0: [1, 0, 0, X] with X invalid (a failed reward call, here NaN) -> the group [1, 0, 0]:
+    #   mean 1/3, var = (4/9 + 1/9 + 1/9) / 2 = 1/3, std 0.577350 -> [1.154700, -0.577350 x2], X 0.
+    # Wrong answers: X read as a wrong answer (reward 0) gives [1.5, -0.5, -0.5, -0.5]; NaN
+    # reaching the mean gives NaN everywhere.
+    # Group 1: [1, X] -> one valid sample: no baseline, no signal: 0 (counted).
+    # Group 2: [1, 1, X=0] -> zero-variance on its valid samples (the failure is not a "wrong").
+    rewards = [1.0, 0.0, 0.0, np.nan, 1.0, 0.0, 1.0, 1.0, 0.0]
+    ids = [0, 0, 0, 0, 1, 1, 2, 2, 2]
+    valid = jnp.array([1, 1, 1, 0, 1, 0, 1, 1, 0], bool)
+    out = flat(rewards, ids, 3, ZVP, valid=valid)
     np.testing.assert_allclose(
-        advantages.group_normalized(jnp.asarray(rewards[:, perm])), adv[:, perm], **TOL
+        out.advantages, [1.154700, -0.577350, -0.577350, 0, 0, 0, 0, 0, 0], atol=1e-5
     )
-    # Groups are independent: changing prompt 0 leaves prompts 1 and 2 unchanged.
-    other = advantages.group_normalized(jnp.asarray(rewards).at[0].set(7.0))
-    np.testing.assert_allclose(other[1:], adv[1:], **TOL)
+    np.testing.assert_array_equal(out.zero_variance_groups, [False, False, True])
+    np.testing.assert_array_equal(out.no_signal_groups, [False, True, False])
+    np.testing.assert_array_equal(out.zvp_sign, [0, 0, 0, 0, 0, 0, 1, 1, 0])
+    m = {k: float(v) for k, v in out.metrics.items()}
+    assert m["adv/num_invalid"] == 3.0 and m["adv/num_no_signal_groups"] == 1.0
+    assert m["adv/num_zero_variance_groups"] == 1.0 and m["adv/num_groups"] == 3.0
+    assert m["adv/num_rl_zvp_rows"] == 2.0
 
 
-def test_zero_variance_mask():
-    rewards = jnp.array([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.5, 0.5 + 1e-8, 0.5]])
-    np.testing.assert_array_equal(advantages.zero_variance_mask(rewards), [1, 1, 0, 1])
-    strict = advantages.zero_variance_mask(jnp.array([[0.5, 0.5001]]), atol=1e-6)
-    np.testing.assert_array_equal(strict, [False])
+def test_two_valid_samples_are_enough_and_one_is_not():
+    # [1, 0]: mean 0.5, std (ddof 1) sqrt(0.5) -> +-0.707106. Wrong answer with "count > 2":
+    # 0. A group of one gets 0 and is counted as no-signal, never as zero-variance.
+    out = flat([1.0, 0.0, 1.0], [0, 0, 1], 2)
+    np.testing.assert_allclose(out.advantages, [0.707106, -0.707106, 0.0], atol=1e-6)
+    np.testing.assert_array_equal(out.no_signal_groups, [False, True])
+    np.testing.assert_array_equal(out.zero_variance_groups, [False, False])
+    # eps = 0 is allowed: a lone sample (std 0) and a failed one still get 0, not 0 / 0 = NaN.
+    eps0 = advantages.AdvantageConfig(eps=0.0)
+    out = flat([1.0, 0.0, 1.0, np.nan], [0, 0, 1, 1], 2, eps0, valid=jnp.array([1, 1, 1, 0], bool))
+    np.testing.assert_allclose(out.advantages, [0.707107, -0.707107, 0.0, 0.0], atol=1e-6)
+
+
+def test_rows_outside_the_groups_are_padding_and_absent_groups_are_not_counted():
+    # Row 2 has id -1 and row 3 id 3 == num_groups: both padding, NaN rewards; group 1 is empty;
+    # group 2's only rows failed: it exists and has no signal (a wrong answer: not counted).
+    valid = jnp.array([1, 1, 1, 1, 0, 0], bool)
+    out = flat([1.0, 0.0, np.nan, np.nan, 1.0, 0.0], [0, 0, -1, 3, 2, 2], 3, valid=valid)
+    np.testing.assert_allclose(out.advantages, [0.707106, -0.707106, 0, 0, 0, 0], atol=1e-6)
+    np.testing.assert_array_equal(out.no_signal_groups, [False, False, True])
+    assert float(out.metrics["adv/num_groups"]) == 2.0
+    assert float(out.metrics["adv/num_no_signal_groups"]) == 1.0  # group 1 has no row at all
+    assert float(out.metrics["adv/num_invalid"]) == 2.0  # padding rows are not failed rewards
+
+
+# ---------------------------------------------------------------- zero-variance boundaries
+
+
+def test_zero_variance_boundaries_by_hand():
+    # Spread = max - min over valid rows; zero-variance iff spread <= atol (0.25, exact in f32).
+    # all equal [0.5 x3]; all correct [1 x3]; all wrong [0 x3]; one sample [1]; tie at the
+    # tolerance [0.5, 0.75] (spread == atol: zero-variance; the "<" bug says informative);
+    # just above [0.5, 0.875] (informative; 0.375 > 0.25).
+    cfg = advantages.AdvantageConfig(atol=0.25, rl_zvp=True)
+    groups = [[0.5] * 3, [1.0] * 3, [0.0] * 3, [1.0], [0.5, 0.75], [0.5, 0.875]]
+    rewards = np.concatenate(groups)
+    ids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    out = flat(rewards, ids, len(groups), cfg)
+    np.testing.assert_array_equal(out.zero_variance_groups, [1, 1, 1, 0, 1, 0])
+    np.testing.assert_array_equal(out.no_signal_groups, [0, 0, 0, 1, 0, 0])
+    # RL-ZVP sign: correct iff mean > 0 (success_threshold): all-wrong 0 is "wrong" (the ">="
+    # bug calls it correct); 0.5 and 0.625 are correct; the lone sample takes no RL-ZVP.
+    np.testing.assert_array_equal(out.zvp_sign, [1, 1, 1, 1, 1, 1, -1, -1, -1, 0, 1, 1, 0, 0])
+    # Within the tolerance the verifier part is exactly 0 (not 0.125 / (0.177 + eps) = 0.707).
+    np.testing.assert_array_equal(out.sequence_advantages[10:12], [0.0, 0.0])
+    # [0.5, 0.875]: deviations +-0.1875, std (ddof 1) 0.265165 -> +-0.1875 / 0.265166 = 0.707104.
+    np.testing.assert_allclose(out.sequence_advantages[12:], [-0.707104, 0.707104], atol=1e-6)
+    dense = advantages.zero_variance_mask(jnp.asarray([[0.5, 0.75], [0.5, 0.875]]), atol=0.25)
+    np.testing.assert_array_equal(dense, [True, False])
+
+
+# ---------------------------------------------------------------- RL-ZVP and issue 7 #5
 
 
 def zvp_inputs():
@@ -64,15 +208,15 @@ def zvp_inputs():
     # whose entropy (9.0) must be ignored, by the max too.
     rewards = jnp.array([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
     entropies = jnp.tile(jnp.array([[0.5, 1.0, 2.0], [0.2, 0.4, 9.0]]), (3, 1, 1))
-    mask = jnp.tile(jnp.array([[1, 1, 1], [1, 1, 0]]), (3, 1, 1))
+    mask = jnp.tile(jnp.array([[1, 1, 1], [1, 1, 0]], bool), (3, 1, 1))
     return rewards, entropies, mask
 
 
 def test_rl_zvp_by_hand():
     # alpha = 0.1.
     # Prompt 0, all correct: A = alpha H = [[0.05, 0.1, 0.2], [0.02, 0.04, pad 0]].
-    # Prompt 1, all wrong: A = -alpha (max_k H - H) with max 2.0 and 0.4 (not the padded 9.0):
-    #   [[-0.15, -0.1, 0.0], [-0.02, 0.0, pad 0]].
+    # Prompt 1, all wrong: A = -alpha (max_k H - H) with max 2.0 and 0.4 (not the padded 9.0;
+    #   a dropped mask in the max gives [-0.88, -0.86] on row 1): [[-0.15, -0.1, 0], [-0.02, 0, 0]].
     # Prompt 2, mixed [1, 0]: GRPO, mean 0.5, unbiased std sqrt(0.5) = 0.707107
     #   -> +-0.5 / 0.707108 = +-0.707106 on every valid token.
     rewards, entropies, mask = zvp_inputs()
@@ -84,24 +228,78 @@ def test_rl_zvp_by_hand():
         [[grpo, grpo, grpo], [-grpo, -grpo, 0.0]],
     ]
     np.testing.assert_allclose(out.advantages, expected, **TOL)
-    np.testing.assert_array_equal(out.zero_variance_mask, [True, True, False])
+    np.testing.assert_array_equal(out.zero_variance_groups, [True, True, False])
     assert out.advantages.dtype == jnp.float32
+    # The same through compute_dense with per-row output + token_advantages (the train step's
+    # path with its own entropies) gives the same tokens.
+    seq = advantages.compute_dense(rewards, cfg=ZVP)
+    tokens = advantages.token_advantages(
+        seq.sequence_advantages.reshape(6), seq.zvp_sign.reshape(6),
+        entropies=entropies.reshape(6, 3), mask=mask.reshape(6, 3), alpha=0.1,
+    )  # fmt: skip
+    np.testing.assert_allclose(tokens.reshape(3, 2, 3), expected, **TOL)
 
 
 def test_rl_zvp_negative_rewards_count_as_wrong():
-    # All -1 (a -1/+1 reward scheme, all wrong) takes the R <= 0 branch: -alpha (max H - H).
+    # All -1 (a -1/+1 reward scheme, all wrong) takes the wrong branch: -alpha (max H - H).
     _, entropies, mask = zvp_inputs()
     out = advantages.rl_zvp(-jnp.ones((3, 2)), entropies, mask, alpha=0.2)
     np.testing.assert_allclose(out.advantages[0], [[-0.3, -0.2, 0.0], [-0.04, 0.0, 0.0]], **TOL)
 
 
-def test_rl_zvp_entropy_is_detached():
+def test_rl_zvp_off_leaves_zero_variance_groups_at_zero():
     rewards, entropies, mask = zvp_inputs()
-    grad = jax.grad(lambda e: advantages.rl_zvp(rewards, e, mask).advantages.sum())(entropies)
-    np.testing.assert_array_equal(grad, np.zeros_like(entropies))
+    out = advantages.compute_dense(rewards, cfg=CFG, entropies=entropies, mask=mask)
+    np.testing.assert_array_equal(out.advantages[:2], 0.0)
+    np.testing.assert_array_equal(out.zvp_sign, 0)
 
 
-def test_rl_zvp_shape_errors():
+def test_judge_ties_are_not_pushed_down():
+    # issue 7 #5: a judge's all-tie group has r = 0 for every member: "no preference", not
+    # "all wrong". Unverifiable -> no RL-ZVP, advantage 0 (left to zero-variance elimination).
+    # The same rewards from a verifier are "all wrong" and get -alpha (max H - H).
+    # One unverifiable member is enough to make the group's correctness unknown.
+    rewards = jnp.zeros(6)
+    ids = jnp.array([0, 0, 1, 1, 2, 2])
+    verifiable = jnp.array([0, 0, 1, 1, 1, 0], bool)
+    entropies, mask = jnp.tile(jnp.array([1.0, 3.0]), (6, 1)), jnp.ones((6, 2), bool)
+    out = flat(rewards, ids, 3, ZVP, verifiable=verifiable, entropies=entropies, mask=mask)
+    expected = np.zeros((6, 2))
+    expected[2:4] = [-0.2, 0.0]
+    np.testing.assert_allclose(out.advantages, expected, **TOL)
+    np.testing.assert_array_equal(out.zvp_sign, [0, 0, -1, -1, 0, 0])
+    assert float(out.metrics["adv/num_unverifiable_zero_variance_groups"]) == 2.0
+    # An unverifiable member that failed (invalid) does not count: group 2 = [0, 0, 0*] with the
+    # failed row the unverifiable one is a verifier's all-wrong group. (Wrong answer: counting
+    # the failed row's flag leaves group 2 without RL-ZVP.)
+    ids = jnp.array([0, 0, 1, 1, 2, 2, 2])
+    verifiable = jnp.array([0, 0, 1, 1, 1, 1, 0], bool)
+    valid = jnp.array([1, 1, 1, 1, 1, 1, 0], bool)
+    out = flat(jnp.zeros(7), ids, 3, ZVP, verifiable=verifiable, valid=valid)
+    np.testing.assert_array_equal(out.zvp_sign, [0, 0, -1, -1, -1, -1, 0])
+
+
+def test_advantages_are_constants_of_the_loss():
+    # A dropped stop_gradient on rewards, shaping or entropies would let the loss push them.
+    rewards, entropies, mask = zvp_inputs()
+    r, e, m = rewards.reshape(6), entropies.reshape(6, 3), mask.reshape(6, 3)
+    ids = advantages.dense_group_ids(3, 2)
+
+    def total(r, s, e):
+        out = advantages.compute(
+            r, group_ids=ids, num_groups=3, cfg=ZVP, shaping=s, entropies=e, mask=m
+        )
+        return out.advantages.sum()
+
+    grads = jax.grad(total, argnums=(0, 1, 2))(r, jnp.full(6, -0.1), e)
+    for g in grads:
+        np.testing.assert_array_equal(g, np.zeros_like(g))
+    g = jax.grad(lambda e: advantages.rl_zvp_tokens(-jnp.ones(6, jnp.int32), entropies=e,
+                                                    mask=m, alpha=0.1).sum())(e)  # fmt: skip
+    np.testing.assert_array_equal(g, np.zeros_like(g))
+
+
+def test_shape_errors():
     rewards, entropies, mask = zvp_inputs()
     with pytest.raises(ValueError, match="entropies"):
         advantages.rl_zvp(rewards, entropies.reshape(6, 3), mask)
@@ -109,3 +307,167 @@ def test_rl_zvp_shape_errors():
         advantages.rl_zvp(rewards, entropies, mask[:, :, :2])
     with pytest.raises(ValueError, match="rewards"):
         advantages.group_normalized(rewards.reshape(-1))
+    with pytest.raises(ValueError, match=r"valid must be \[N\]=\(6,\)"):
+        flat(rewards.reshape(6), np.zeros(6), 1, valid=jnp.ones(5, bool))
+    with pytest.raises(ValueError, match="entropies need a token mask"):
+        flat(rewards.reshape(6), np.zeros(6), 1, entropies=entropies.reshape(6, 3))
+
+
+# ---------------------------------------------------------------- adversarial padding
+
+
+def padded_inputs():
+    """Two groups (ragged, 3 + 4 rows), one invalid row in each, padding tokens in most rows."""
+    rewards = jnp.array([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    ids = jnp.array([0, 0, 0, 1, 1, 1, 1])
+    valid = jnp.array([1, 1, 0, 1, 1, 1, 0], bool)
+    shaping = jnp.array([0.0, -0.1, 0.0, 0.0, -0.05, 0.0, 0.0])
+    entropies = jnp.tile(jnp.array([0.3, 1.2, 0.7, 2.0]), (7, 1))
+    mask = jnp.array([[1, 1, 1, 0]] * 3 + [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]])
+    return rewards, ids, valid, shaping, entropies, mask.astype(bool)
+
+
+class AdversarialPaddingTest(parameterized.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_padding_and_invalid_rows_cannot_reach_valid_outputs(self):
+        # Fill what padding / invalid rows hold (rewards, shaping, entropies of padded tokens and
+        # of invalid rows) with 1e9, +-inf, NaN: valid outputs, metrics and finiteness unchanged.
+        rewards, ids, valid, shaping, entropies, mask = padded_inputs()
+        f = self.variant(
+            functools.partial(advantages.compute, group_ids=ids, num_groups=3, cfg=ZVP)
+        )
+
+        def run(r, s, e):
+            return f(r, valid=valid, shaping=s, entropies=e, mask=mask)
+
+        want = run(rewards, shaping, entropies)
+        chex.assert_shape(want.advantages, (7, 4))
+        assert np.abs(np.asarray(want.advantages)).sum() > 0  # something to protect
+        bad_row = ~np.asarray(valid)
+        bad_tok = ~np.asarray(mask) | bad_row[:, None]
+        for fill in FILLS:
+            got = run(
+                jnp.where(bad_row, fill, rewards),
+                jnp.where(bad_row, fill, shaping),
+                jnp.where(bad_tok, fill, entropies),
+            )
+            chex.assert_tree_all_finite(got.advantages)
+            chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_token_advantages_ignore_padded_entropies(self):
+        _, _, _, _, entropies, mask = padded_inputs()
+        seq, sign = jnp.linspace(-1.0, 1.0, 7), jnp.array([1, -1, 0, -1, 1, -1, 0])
+        f = self.variant(functools.partial(advantages.token_advantages, alpha=0.1))
+        want = f(seq, sign, entropies=entropies, mask=mask)
+        for fill in FILLS:
+            got = f(seq, sign, entropies=jnp.where(mask, entropies, fill), mask=mask)
+            chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+        # Hand check of row 1 (wrong, valid tokens H = [0.3, 1.2, 0.7], max 1.2; the padded 2.0
+        # must not be the max): seq[1] = -2/3 -> -2/3 + [-0.09, 0, -0.05], pad 0; row 2 (sign 0,
+        # H ignored): -1/3 on its 3 valid tokens.
+        np.testing.assert_allclose(want[1], [-2 / 3 - 0.09, -2 / 3, -2 / 3 - 0.05, 0.0], **TOL)
+        np.testing.assert_allclose(want[2], [-1 / 3] * 3 + [0.0], **TOL)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_normalize_jitted_and_not(self):
+        f = self.variant(functools.partial(advantages.normalize, num_groups=2))
+        out = f(jnp.array([1.0, 0.0, 0.0, 1.0, 2.0]), group_ids=jnp.array([0, 0, 0, 0, 1]))
+        np.testing.assert_allclose(out, [0.866024, -0.866024, -0.866024, 0.866024, 0], atol=1e-6)
+
+
+# ---------------------------------------------------------------- invariances (hypothesis)
+
+
+def reference(rewards, ids, num_groups, valid, shaping, verifiable, cfg):
+    """Per-group loop in float64 numpy: rules 1-4 of the module docstring, written out."""
+    adv, sign = np.zeros(len(rewards)), np.zeros(len(rewards), int)
+    for g in range(num_groups):
+        rows = np.flatnonzero((ids == g) & valid)
+        if rows.size < 2:
+            continue
+        r, s = rewards[rows].astype(np.float64), shaping[rows].astype(np.float64)
+        tied = r.max() - r.min() <= cfg.atol
+        a = np.zeros_like(r) if tied else r - r.mean()
+        if cfg.scale_by_std and not tied:
+            a = a / (r.std(ddof=1) + cfg.eps)
+        adv[rows] = a + (s - s.mean())
+        if tied and cfg.rl_zvp and verifiable[rows].all():
+            sign[rows] = 1 if r.mean() > cfg.success_threshold else -1
+    return adv, sign
+
+
+@st.composite
+def ragged_batches(draw, n=12, num_groups=4):
+    # A fixed shape (n rows, 4 groups) so the jitted compute compiles once per config; the
+    # ragged structure is in the ids: groups of any size, empty groups, padding ids -1 and 4.
+    used = draw(st.integers(1, num_groups))
+    ids = np.array(draw(st.lists(st.integers(-1, used), min_size=n, max_size=n)))
+    ids = np.where(ids == used, num_groups, ids)  # an out-of-range id: a padding row
+    quarters = st.integers(0, 4).map(lambda k: k / 4)  # exact in float32: ties are real ties
+    rewards = np.array(draw(st.lists(quarters, min_size=n, max_size=n)), np.float32)
+    shaping = -np.array(draw(st.lists(quarters, min_size=n, max_size=n)), np.float32) / 8
+    valid = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    verifiable = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    cfg = advantages.AdvantageConfig(
+        estimator=draw(st.sampled_from(advantages.ESTIMATORS)), rl_zvp=draw(st.booleans())
+    )
+    return rewards, ids, num_groups, valid, shaping, verifiable, cfg
+
+
+@hypothesis.given(ragged_batches())
+def test_ragged_segments_equal_a_per_group_loop(batch):
+    rewards, ids, num_groups, valid, shaping, verifiable, cfg = batch
+    out = flat(rewards, ids, num_groups, cfg, valid=valid, shaping=shaping, verifiable=verifiable)
+    want_adv, want_sign = reference(rewards, ids, num_groups, valid, shaping, verifiable, cfg)
+    np.testing.assert_allclose(out.advantages, want_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.zvp_sign, want_sign)
+
+
+@hypothesis.given(ragged_batches(), st.data())
+def test_permuting_rows_permutes_advantages(batch, data):
+    rewards, ids, num_groups, valid, shaping, verifiable, cfg = batch
+    perm = np.array(data.draw(st.permutations(range(len(rewards)))))
+    kw = dict(num_groups=num_groups, cfg=cfg)
+    out = flat(rewards, ids, valid=valid, shaping=shaping, verifiable=verifiable, **kw)
+    moved = flat(rewards[perm], ids[perm], valid=valid[perm], shaping=shaping[perm],
+                 verifiable=verifiable[perm], **kw)  # fmt: skip
+    np.testing.assert_allclose(moved.advantages, np.asarray(out.advantages)[perm], **TOL)
+    np.testing.assert_array_equal(moved.zvp_sign, np.asarray(out.zvp_sign)[perm])
+
+
+@hypothesis.given(ragged_batches(), st.lists(st.integers(-8, 8), min_size=6, max_size=6))
+def test_adding_a_constant_to_a_group_changes_nothing(batch, shifts):
+    # Per group shift c_g (integers: exact in float32 with quarters, so ties stay ties). The
+    # RL-ZVP sign may flip (it reads absolute correctness), so compare without it.
+    rewards, ids, num_groups, valid, shaping, _, cfg = batch
+    cfg = advantages.AdvantageConfig(estimator=cfg.estimator)
+    shift = np.asarray(shifts, np.float32)[np.clip(ids, 0, 5)]
+    out = flat(rewards, ids, num_groups, cfg, valid=valid, shaping=shaping)
+    moved = flat(rewards + shift, ids, num_groups, cfg, valid=valid, shaping=shaping)
+    np.testing.assert_allclose(moved.advantages, out.advantages, rtol=1e-5, atol=1e-5)
+
+
+@hypothesis.given(ragged_batches(), st.sampled_from([0.5, 2.0, 8.0]))
+def test_scaling_rewards_leaves_grpo_advantages_unchanged(batch, c):
+    # (c r - c mean) / (c std + eps) = (r - mean) / (std + eps / c): equal up to eps / std, with
+    # std >= 0.177 here (two quarters apart) a relative 1e-5: hence rtol 5e-5 (written reason).
+    # Powers of two keep every product exact, so ties at atol stay ties.
+    rewards, ids, num_groups, valid, _, _, _ = batch
+    out = flat(rewards, ids, num_groups, valid=valid)
+    scaled = flat(rewards * c, ids, num_groups, valid=valid)
+    np.testing.assert_allclose(scaled.advantages, out.advantages, rtol=5e-5, atol=1e-5)
+
+
+def test_dense_equals_flat():
+    rng = np.random.default_rng(0)
+    rewards = rng.integers(0, 2, (5, 4)).astype(np.float32)
+    valid = rng.random((5, 4)) > 0.2
+    entropies, mask = rng.gamma(2.0, 0.5, (5, 4, 3)), rng.random((5, 4, 3)) > 0.3
+    dense = advantages.compute_dense(rewards, cfg=ZVP, valid=valid, entropies=entropies, mask=mask)
+    ids = advantages.dense_group_ids(5, 4)
+    out = flat(rewards.reshape(20), ids, 5, ZVP, valid=valid.reshape(20),
+               entropies=entropies.reshape(20, 3), mask=mask.reshape(20, 3))  # fmt: skip
+    chex.assert_shape(dense.advantages, (5, 4, 3))
+    np.testing.assert_allclose(dense.advantages.reshape(20, 3), out.advantages, **TOL)
+    np.testing.assert_array_equal(dense.zvp_sign.reshape(20), out.zvp_sign)

@@ -63,13 +63,39 @@ def test_prompt_id_is_stable_and_order_free():
     assert zv.prompt_id("text") == zv.prompt_id("text") != zv.prompt_id("text ")
 
 
-def test_zero_variance_agrees_with_advantages_mask():
+def test_zero_variance_agrees_with_advantages_compute():
+    # The host rule (is_informative) and the device rule (advantages.compute) are one rule:
+    # verifier rewards of valid samples, max - min <= atol, >= 2 valid for any signal.
     rng = np.random.default_rng(0)
     rewards = rng.integers(0, 2, size=(64, 4)).astype(np.float32)  # [P, G], many ties
     rewards[:8] += rng.normal(0, 1e-7, size=(8, 4))  # near-ties, below atol
     rewards[8:16, 0] += 1e-3  # above atol
-    ours = [zv.is_zero_variance(r) for r in rewards]
-    np.testing.assert_array_equal(ours, np.asarray(advantages.zero_variance_mask(rewards)))
+    valid = rng.random((64, 4)) > 0.25
+    rewards[~valid] = np.nan  # what a failed sample holds must not matter
+    groups = [zv.Group(prompt_id=str(i), rewards=r, valid=v) for i, (r, v) in
+              enumerate(zip(rewards, valid, strict=True))]  # fmt: skip
+    ours = [zv.is_informative(g) for g in groups]
+    out = advantages.compute_dense(rewards, cfg=advantages.AdvantageConfig(), valid=valid)
+    theirs = ~np.asarray(out.zero_variance_groups) & ~np.asarray(out.no_signal_groups)
+    np.testing.assert_array_equal(ours, theirs)
+    assert 0 < sum(ours) < 64
+    dense = [zv.is_zero_variance(r) for r in np.nan_to_num(rewards)]
+    np.testing.assert_array_equal(dense, advantages.zero_variance_mask(np.nan_to_num(rewards)))
+
+
+def test_zero_variance_boundaries_by_hand():
+    # max - min <= atol: all equal, all correct, all wrong -> True; one sample (no spread) ->
+    # True but not informative; at the tolerance (spread 0.25 == atol) -> True (the "<" bug:
+    # False); above (0.375) -> False. Invalid entries (NaN here) are never read.
+    check = lambda r, **kw: zv.is_zero_variance(np.array(r, np.float32), atol=0.25, **kw)
+    assert check([0.5, 0.5, 0.5]) and check([1, 1, 1]) and check([0, 0, 0]) and check([1])
+    assert check([0.5, 0.75]) and not check([0.5, 0.875])
+    assert check([1.0, np.nan, 1.0], valid=[True, False, True])
+    assert not check([1.0, 0.0, np.nan], valid=[True, True, False])
+    group = lambda r, valid=None: zv.Group(prompt_id="a", rewards=np.array(r), valid=valid)
+    assert not zv.is_informative(group([1.0]))  # one sample: no signal
+    assert not zv.is_informative(group([1.0, 0.0], valid=np.array([True, False])))
+    assert zv.is_informative(group([1.0, 0.0]))
 
 
 # ---------------------------------------------------------------- stage 1: offline pre-filter
@@ -290,6 +316,20 @@ def test_pass_rate_history_updates_and_serialises():
         zv.PassRateHistory(decay=0.0)
 
 
+def test_pass_rate_history_skips_failed_samples_and_judge_groups():
+    # issue 7 #2: [1, 0 (failed), 1, 0] counts 2 passes and 1 failure, not 2 and 2.
+    history = zv.PassRateHistory()
+    valid = np.array([True, False, True, True])
+    history.update([zv.Group(prompt_id="a", rewards=np.array([1.0, 0.0, 1.0, 0.0]), valid=valid)])
+    assert history.counts == {"a": [2.0, 1.0]}
+    # A judge's relative rewards (unverifiable) and an all-failed group say nothing.
+    history.update([
+        zv.Group(prompt_id="a", rewards=np.array([1.0, -1.0]), verifiable=False),
+        zv.Group(prompt_id="b", rewards=np.zeros(2), valid=np.zeros(2, bool)),
+    ])  # fmt: skip
+    assert history.counts == {"a": [2.0, 1.0]}
+
+
 # ---------------------------------------------------------------- stage 4: optimisation
 
 
@@ -330,7 +370,7 @@ def test_resample_fills_with_informative_groups_only():
 def test_resample_carries_leftovers_over():
     # oversample 4 draws 8 prompts from 0.5, 0.5, 0, 1: 4 informative for B = 2 -> 2 left over.
     policy = QuantilePolicy()
-    kw = dict(policy=policy, batch_size=2, mode="resample", oversample=4.0)
+    kw = dict(policy=policy, batch_size=2, mode="resample", oversample=4.0, max_carry_over_steps=1)
     first = fill([0.5, 0.5, 0.0, 1.0], **kw)
     assert len(first.groups) == 2 and len(first.buffer.groups) == 2
     assert first.buffer.ages == (0, 0)
@@ -341,6 +381,9 @@ def test_resample_carries_leftovers_over():
     second = fill([0.5], buffer=buffer, **kw)
     assert len(policy.calls) == 1
     assert [g.prompt_id for g in second.groups] == [g.prompt_id for g in first.buffer.groups]
+    # Carried groups are marked: sampled one optimiser step before the batch that uses them
+    # (their payload holds that policy's log-probs and router trace).
+    assert [g.age for g in first.groups] == [0, 0] and [g.age for g in second.groups] == [1, 1]
     assert second.metrics["zve/carried_in"] == 2.0 and "zve/rollout_zvp_rate" not in second.metrics
     third = fill([0.5], buffer=second.buffer, **kw)
     assert len(policy.calls) == 2 and third.metrics["zve/carried_in"] == 0.0
@@ -355,6 +398,10 @@ def test_leftovers_expire_after_max_carry_over_steps():
     assert second.buffer.groups == () and second.metrics["zve/buffer_dropped"] == 2.0
     off = fill([0.5], max_carry_over_steps=0, **kw)
     assert off.buffer.groups == () and off.metrics["zve/buffer_dropped"] == 3.0
+    # issue 7 #8: off by default, as in DAPO (no stale groups unless asked for).
+    assert zv.ZveConfig().max_carry_over_steps == 0
+    default = fill([0.5], **kw)
+    assert default.buffer.groups == () and default.metrics["zve/carried_out"] == 0.0
 
 
 def test_resample_stops_after_its_bound():
@@ -411,6 +458,90 @@ def test_adaptive_group_sizes_reach_generate():
     assert policy.calls == [[4, 16, 16, 4]]
     assert [g.group_size for g in out.groups] == [4, 16, 16, 4]
     assert out.metrics["zve/zero_advantage_rollout_fraction"] == 32 / 40
+
+
+def buffered_group():
+    """An informative group waiting in the resample buffer (sampled at the previous step)."""
+    group = zv.Group(prompt_id="buffered", rewards=np.array([1.0, 0.0, 1.0, 0.0], np.float32))
+    return zv.ResampleBuffer(groups=(group,), ages=(0,))
+
+
+def test_history_gets_the_generated_groups_in_drop_mode():
+    # issue 13 #3. B = 2: the buffered group fills one slot; one call draws q0 (p = 0, ZVP),
+    # which drop discards. The history must record q0 (4 failures: it is what adaptive G needs
+    # to know) and must not count the buffered group again (it was counted when generated).
+    # Wrong answer (history.update(batch)): {"buffered": [2, 2]} and no q0.
+    history, ids = zv.PassRateHistory(), [zv.prompt_id(p) for p in make_prompts([0.0, 0.5])]
+    out = fill([0.0, 0.5], policy=QuantilePolicy(), batch_size=2, mode="drop",
+               buffer=buffered_group(), history=history, max_carry_over_steps=1)  # fmt: skip
+    assert [g.prompt_id for g in out.groups] == ["buffered"]
+    assert history.counts == {ids[0]: [0.0, 4.0]}
+
+
+def test_history_gets_the_generated_groups_in_resample_mode():
+    # Same buffer, resample: round 1 draws 1 prompt (q0, ZVP; informative rate 0 -> factor 4),
+    # round 2 draws 4: q1, q0, q1, q0 -> q1 fills the batch, the second q1 is left over.
+    # Generated: q0 x3 (4 failures each), q1 x2 (2 passes, 2 failures each).
+    # Wrong answer (history.update(batch)): {"buffered": [2, 2], q1: [2, 2]}.
+    history, ids = zv.PassRateHistory(), [zv.prompt_id(p) for p in make_prompts([0.0, 0.5])]
+    policy = QuantilePolicy()
+    out = fill([0.0, 0.5], policy=policy, batch_size=2, mode="resample",
+               buffer=buffered_group(), history=history, max_carry_over_steps=1)  # fmt: skip
+    assert [len(c) for c in policy.calls] == [1, 4]
+    assert [g.prompt_id for g in out.groups] == ["buffered", ids[1]]
+    assert history.counts == {ids[0]: [0.0, 12.0], ids[1]: [4.0, 4.0]}
+    assert len(out.buffer.groups) == 1 and out.metrics["zve/carried_in"] == 1.0
+
+
+def verifier_tie_broken_by_shaping(prompts, sizes):
+    raw = np.zeros(4, np.float32)  # every group is all-wrong on the verifier...
+    shaped = raw - np.array([0.0, 0.1, 0.0, 0.2], np.float32)  # ... ties broken by shaping
+    return [zv.Group(prompt_id=str(i), rewards=shaped, raw_rewards=raw) for i, _ in
+            enumerate(prompts)]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["resample", "drop", "rl_zvp"])
+def test_shaping_never_makes_a_group_informative(mode):
+    # issue 7 #1: zero-variance is judged on verifier rewards, so resample and drop keep none of
+    # these groups; rl_zvp keeps them for RL-ZVP. Wrong answer (judging the shaped rewards):
+    # every group "informative", a full batch in every mode, optimizer ZVP rate 0.
+    out = zv.fill_batch(prompts=stream([0.5]), generate=verifier_tie_broken_by_shaping,
+                        batch_size=2, group_size=4,
+                        config=zv.ZveConfig(mode=mode, max_resample_rounds=1))  # fmt: skip
+    m = out.metrics
+    assert m["zve/rollout_zvp_rate"] == 1.0 and m["zve/post_shaping_zvp_rate"] == 0.0
+    assert m["zve/informative_groups_generated"] == 0.0
+    if mode == "rl_zvp":
+        assert len(out.groups) == 2 and m["zve/optimizer_zvp_rate"] == 1.0
+    else:
+        assert out.groups == []
+
+
+def test_failed_samples_are_not_answers_in_fill_batch():
+    # issue 7 #2. Three groups of G = 4 with failed samples (valid False, reward 0 or NaN):
+    #   [1, 1, 0*, 1]: all correct on its valid samples -> zero-variance (not informative);
+    #   [1, 0, nan*, 0]: informative; [1*, 0*, 0*, 1]: one valid sample -> no signal.
+    # Wrong answer (failures read as wrong answers): the first group informative.
+    groups = [
+        ([1.0, 1.0, 0.0, 1.0], [1, 1, 0, 1]),
+        ([1.0, 0.0, np.nan, 0.0], [1, 1, 0, 1]),
+        ([1.0, 0.0, 0.0, 1.0], [0, 0, 0, 1]),
+    ]
+
+    def generate(prompts, sizes):
+        return [zv.Group(prompt_id=p["question"], rewards=np.array(r, np.float32),
+                         valid=np.array(v, bool)) for p, (r, v) in
+                zip(prompts, groups, strict=True)]  # fmt: skip
+
+    history = zv.PassRateHistory()
+    out = zv.fill_batch(prompts=iter(make_prompts([0.5] * 3)), generate=generate, batch_size=3,
+                        group_size=4, config=zv.ZveConfig(mode="drop"),
+                        history=history)  # fmt: skip
+    assert [g.prompt_id for g in out.groups] == ["q1"]
+    m = out.metrics
+    assert m["zve/invalid_samples"] == 5.0 and m["zve/no_signal_groups"] == 1.0
+    assert m["zve/informative_groups_generated"] == 1.0
+    assert history.counts == {"q0": [3.0, 0.0], "q1": [1.0, 2.0], "q2": [1.0, 0.0]}
 
 
 def test_shaping_stage_is_measured_and_bare_rewards_accepted():
