@@ -1,11 +1,18 @@
 """`RewardPool`: score samples in worker processes with a per-sample timeout, asynchronously.
 
 The rollout hands each finished chunk to the pool and goes on decoding the next one; the pool's
-dispatcher thread feeds worker processes one sample at a time and collects the results. A reward
-function that hangs past `timeout_s` has its worker killed and replaced; one that crashes its
-process (segfault, `os._exit`) likewise; one that raises or returns something that is not a
-finite number is recorded as failed. Each failure gets `failed_reward`, `ok=False` and a
-counter in `metrics()`, never a hung or crashed run.
+dispatcher thread feeds worker processes one sample at a time and collects the results. A
+completion may be given as token ids: the worker detokenizes it (with the pool's `detokenize`)
+before scoring and returns the text with the score, so detokenization runs in parallel, off the
+host's decode loop (the first row of the paper's system table).
+
+A sample whose worker dies (a crash, the OOM killer, an operator's kill) or hangs past
+`timeout_s` has its worker killed and replaced and is retried once, on whichever worker is free
+next (the dead one is replaced by a fresh process); a sample that fails twice is the sample's
+fault and is recorded as failed. A reward function that raises or returns something that is not
+a finite number is recorded as failed at once (a deterministic answer, not bad luck). Each
+failure gets `failed_reward`, `ok=False` and a counter in `metrics()`, never a hung or crashed
+run; retries are counted in `reward/retries`.
 
 Workers are separate processes (started with "spawn": forking a process that runs JAX threads
 can deadlock) because math verifiers time themselves out with `signal.alarm`, which works only in
@@ -28,17 +35,31 @@ from typing import Any
 import numpy as np
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
+Detokenize = Callable[[list[int]], str]
+Completion = str | Sequence[int]  # text, or token ids the workers detokenize
 STATUSES = ("ok", "timeout", "error", "crash", "invalid")
 MAX_START_FAILURES = 3  # consecutive workers that die before "ready": the pool gives up
+MAX_ATTEMPTS = 2  # a sample whose worker dies or hangs is tried once more before it fails
 
 
-def _worker_main(conn, reward_fn: RewardFn) -> None:
-    """Worker loop: receive (task_id, prompt, completion, meta), send (task_id, status, value).
+def _detokenized(detokenize: Detokenize | None, completion: Completion) -> str:
+    """The completion's text: itself, or its token ids detokenized. Raises on a bad result."""
+    if isinstance(completion, str):
+        return completion
+    text = detokenize(list(completion))
+    if not isinstance(text, str):
+        raise TypeError(f"returned {type(text).__name__}, not str")
+    return text
+
+
+def _worker_main(conn, reward_fn: RewardFn, detokenize: Detokenize | None) -> None:
+    """Worker loop: receive (task_id, prompt, completion, meta), send (task_id, status, value,
+    text) where text is the detokenized completion ("" if detokenization failed).
 
     The reward function (and whatever it imports) was unpickled before this runs; "ready" tells
     the dispatcher so, so start-up time never counts against a sample's timeout.
     """
-    conn.send((None, "ready", None))
+    conn.send((None, "ready", None, ""))
     while True:
         try:
             task = conn.recv()
@@ -48,16 +69,22 @@ def _worker_main(conn, reward_fn: RewardFn) -> None:
             return
         task_id, prompt, completion, meta = task
         try:
-            value = reward_fn(prompt, completion, meta)
+            text = _detokenized(detokenize, completion)
+        except BaseException as e:  # noqa: BLE001
+            conn.send((task_id, "error", f"detokenize: {type(e).__name__}: {e}", ""))
+            continue
+        try:
+            value = reward_fn(prompt, text, meta)
         except BaseException as e:  # noqa: BLE001 - math-verify's timeout is a BaseException
-            conn.send((task_id, "error", f"{type(e).__name__}: {e}"))
+            conn.send((task_id, "error", f"{type(e).__name__}: {e}", text))
             continue
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-            conn.send((task_id, "invalid", f"returned {type(value).__name__}: {value!r:.80}"))
+            detail = f"returned {type(value).__name__}: {value!r:.80}"
+            conn.send((task_id, "invalid", detail, text))
         elif not math.isfinite(float(value)):
-            conn.send((task_id, "invalid", f"returned {value!r}"))
+            conn.send((task_id, "invalid", f"returned {value!r}", text))
         else:
-            conn.send((task_id, "ok", float(value)))
+            conn.send((task_id, "ok", float(value), text))
 
 
 @dataclasses.dataclass
@@ -66,6 +93,7 @@ class _Worker:
     conn: Any
     ready: bool = False
     task: int | None = None
+    item: tuple | None = None  # the task's (prompt, completion, meta), kept for a retry
     started: float = 0.0
 
 
@@ -75,10 +103,15 @@ class RewardResults:
     ok: np.ndarray  # bool [N]
     status: tuple[str, ...]  # one of STATUSES per sample
     detail: tuple[str, ...]  # the error message for failed samples, "" otherwise
+    completions: tuple[str, ...]  # the text each sample was scored on ("" if its worker died)
 
 
 class RewardPool:
-    """A process pool for `fn(prompt, completion, meta) -> float` with per-sample timeouts."""
+    """A process pool for `fn(prompt, completion, meta) -> float` with per-sample timeouts.
+
+    `reward_fn` and `detokenize` (token ids -> text, e.g. a tokenizer's `decode`) must pickle;
+    each worker unpickles them once, at start-up.
+    """
 
     def __init__(
         self,
@@ -87,6 +120,7 @@ class RewardPool:
         num_workers: int = 2,
         timeout_s: float = 10.0,
         failed_reward: float = 0.0,
+        detokenize: Detokenize | None = None,
         start_method: str = "spawn",
     ):
         if num_workers < 1:
@@ -94,12 +128,14 @@ class RewardPool:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} is invalid: > 0")
         self._fn = reward_fn
+        self.detokenize = detokenize
         self._timeout = timeout_s
         self._failed_reward = failed_reward
         self._ctx = multiprocessing.get_context(start_method)
         self._lock = threading.Condition()
         self._queue: collections.deque = collections.deque()
-        self._results: dict[int, tuple[str, Any]] = {}
+        self._results: dict[int, tuple[str, Any, str]] = {}  # id -> (status, value, text)
+        self._attempts: dict[int, int] = {}  # id -> attempts that died or timed out
         self._next_id = 0
         self._closed = False
         self._counts = collections.Counter()
@@ -111,8 +147,13 @@ class RewardPool:
         self._thread.start()
 
     # ---- public API -----------------------------------------------------------------------
-    def submit(self, items: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[int]:
-        """Queue (prompt, completion, meta) samples; returns their task ids (non-blocking)."""
+    def submit(self, items: Sequence[tuple[str, Completion, Mapping[str, Any]]]) -> list[int]:
+        """Queue (prompt, completion, meta) samples; returns their task ids (non-blocking).
+
+        A completion given as token ids is detokenized in the worker (needs `detokenize`).
+        """
+        if self.detokenize is None and not all(isinstance(c, str) for _, c, _ in items):
+            raise TypeError("completions given as token ids need RewardPool(detokenize=...)")
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
@@ -132,13 +173,14 @@ class RewardPool:
                     raise TimeoutError(f"{len(task_ids)} reward tasks not done in {timeout}s")
                 self._lock.wait(remaining if remaining is not None else 0.5)
             done = [self._results.pop(t) for t in task_ids]
-        ok = np.array([s == "ok" for s, _ in done], bool)
-        rewards = np.array([v if s == "ok" else self._failed_reward for s, v in done], np.float32)
+        ok = np.array([s == "ok" for s, _, _ in done], bool)
+        rewards = [v if s == "ok" else self._failed_reward for s, v, _ in done]
         return RewardResults(
-            rewards=rewards,
+            rewards=np.array(rewards, np.float32),
             ok=ok,
-            status=tuple(s for s, _ in done),
-            detail=tuple("" if s == "ok" else str(v) for s, v in done),
+            status=tuple(s for s, _, _ in done),
+            detail=tuple("" if s == "ok" else str(v) for s, v, _ in done),
+            completions=tuple(t for _, _, t in done),
         )
 
     def score(self, items, *, timeout: float | None = None) -> RewardResults:
@@ -146,9 +188,11 @@ class RewardPool:
         return self.results(self.submit(items), timeout=timeout)
 
     def metrics(self) -> dict[str, float]:
-        """Counts per status (`reward/num_<status>`) and the workers' busy seconds."""
+        """Counts per final status (`reward/num_<status>`), `reward/retries` (attempts repeated
+        after a worker died or hung) and the workers' busy seconds."""
         with self._lock:
             out = {f"reward/num_{s}": float(self._counts[s]) for s in STATUSES}
+            out["reward/retries"] = float(self._counts["retries"])
             out["reward/busy_s"] = self._busy_s
         return out
 
@@ -169,7 +213,9 @@ class RewardPool:
     # ---- dispatcher ------------------------------------------------------------------------
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_main, args=(child, self._fn), daemon=True)
+        process = self._ctx.Process(
+            target=_worker_main, args=(child, self._fn, self.detokenize), daemon=True
+        )
         process.start()
         child.close()
         return _Worker(process=process, conn=parent)
@@ -184,17 +230,28 @@ class RewardPool:
         w.process.join(timeout=5)
         w.conn.close()
 
-    def _finish(self, w: _Worker, status: str, value: Any) -> None:
+    def _finish(self, w: _Worker, status: str, value: Any, text: str) -> None:
         with self._lock:
-            self._results[w.task] = (status, value)
+            self._results[w.task] = (status, value, text)
+            self._attempts.pop(w.task, None)
             self._counts[status] += 1
             self._busy_s += time.monotonic() - w.started
             self._lock.notify_all()
-        w.task = None
+        w.task = w.item = None
 
     def _replace(self, i: int, status: str, detail: str) -> None:
+        """Worker i died or hung on its task: retry the task once, else fail it; new worker."""
         w = self._workers[i]
-        self._finish(w, status, detail)
+        with self._lock:
+            attempts = self._attempts.get(w.task, 0) + 1
+            if attempts < MAX_ATTEMPTS:  # first of the queue: it keeps its place in line
+                self._attempts[w.task] = attempts
+                self._queue.appendleft((w.task, w.item))
+                self._counts["retries"] += 1
+                self._busy_s += time.monotonic() - w.started
+                w.task = w.item = None
+        if w.task is not None:
+            self._finish(w, status, f"{detail} (failed twice: first try and retry)", "")
         self._stop_worker(w, graceful=False)
         self._workers[i] = self._start_worker()
 
@@ -207,8 +264,9 @@ class RewardPool:
                     self._fail_queue()
                 for w in self._workers:
                     if w.ready and w.task is None and self._queue:
-                        task_id, (prompt, completion, meta) = self._queue.popleft()
-                        w.task, w.started = task_id, time.monotonic()
+                        task_id, item = self._queue.popleft()
+                        w.task, w.item, w.started = task_id, item, time.monotonic()
+                        prompt, completion, meta = item
                         w.conn.send((task_id, prompt, completion, dict(meta)))
             watched = [i for i, w in enumerate(self._workers) if w.task is not None or not w.ready]
             if not watched:
@@ -241,7 +299,7 @@ class RewardPool:
         """Handle a readable pipe or a dead process of worker i."""
         w = self._workers[i]
         try:
-            task_id, status, value = w.conn.recv()
+            task_id, status, value, text = w.conn.recv()
         except (EOFError, OSError):
             w.process.join(timeout=2)  # EOF can arrive before the process is reaped
             detail = f"worker process died (exit code {w.process.exitcode})"
@@ -259,12 +317,13 @@ class RewardPool:
             w.ready = True
             self._start_failures = 0
         else:
-            self._finish(w, status, value)
+            self._finish(w, status, value, text)
 
     def _fail_queue(self) -> None:
         """Give every queued task an error (called with the lock held)."""
         while self._queue:
             task_id, _ = self._queue.popleft()
-            self._results[task_id] = ("error", self._broken)
+            self._results[task_id] = ("error", self._broken, "")
+            self._attempts.pop(task_id, None)
             self._counts["error"] += 1
         self._lock.notify_all()

@@ -1,5 +1,12 @@
-"""The reward pool: results, and survival of hanging, crashing and misbehaving reward functions."""
+"""The reward pool: results, survival of hanging, crashing and misbehaving reward functions,
+retries of samples whose worker died, detokenisation in the workers.
 
+Concurrency is proven by order of events (a barrier that only opens when the samples run at the
+same time), never by elapsed time; `pytest.mark.timeout` turns a deadlock into a failure.
+"""
+
+import os
+import signal
 import time
 
 import numpy as np
@@ -9,38 +16,146 @@ from espo import testing
 from espo.rewards import pool
 
 
+class FromSource:
+    """A reward function that each worker builds by executing `source` (which defines `reward`).
+
+    The tests run with --import-mode=importlib, so functions defined in a test module cannot be
+    unpickled in a spawned worker; `eval` is a builtin, so this pickles to (eval, source).
+    """
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def __reduce__(self):
+        return (eval, (f"(lambda ns: (exec({self.source!r}, ns), ns['reward'])[1])({{}})",))
+
+
+# Each sample creates <dir>/<completion> and returns only once `meta["parties"]` files exist:
+# `parties` samples finish only if they run at the same time (else TimeoutError after wait_s).
+BARRIER = FromSource(
+    """
+def reward(prompt, completion, meta):
+    import os, time
+    open(os.path.join(meta["dir"], completion), "w").close()
+    deadline = time.monotonic() + meta["wait_s"]
+    while len(os.listdir(meta["dir"])) < meta["parties"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other samples never ran alongside this one")
+        time.sleep(0.005)
+    return len(completion) / 10
+"""
+)
+
+# The first attempt of a sample writes its worker's pid to <dir>/<completion>.pid and then
+# sleeps (to be killed from outside); an attempt that finds the file scores the sample.
+KILLABLE = FromSource(
+    """
+def reward(prompt, completion, meta):
+    import os, time
+    path = os.path.join(meta["dir"], completion + ".pid")
+    if completion.startswith("victim") and not os.path.exists(path):
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        time.sleep(600)
+    return len(completion) / 10
+"""
+)
+
+
 @pytest.fixture(scope="module")
 def misbehaving():
     with pool.RewardPool(testing.misbehaving_reward, num_workers=2, timeout_s=1.0) as p:
         yield p
 
 
+@pytest.mark.timeout(120)  # the hang costs two timeouts (the retry), not an hour
 def test_failures_are_scored_and_counted_never_fatal(misbehaving):
     kinds = ["fine", "hang", "crash", "raise", "garbage", "nan", "fine"]
-    t0 = time.monotonic()
     res = misbehaving.score([("p", k, {}) for k in kinds], timeout=60)
-    assert time.monotonic() - t0 < 20  # the hang costs one timeout, not an hour
     assert res.status == ("ok", "timeout", "crash", "error", "invalid", "invalid", "ok")
     np.testing.assert_array_equal(res.ok, [True, False, False, False, False, False, True])
     np.testing.assert_array_equal(res.rewards, [1, 0, 0, 0, 0, 0, 1])
     assert "RuntimeError: reward function failed" in res.detail[3]
-    assert "exit code 3" in res.detail[2]
+    assert "exit code 3" in res.detail[2] and "failed twice" in res.detail[2]
+    assert "failed twice" in res.detail[1]
+    # The text each sample was scored on; none for samples whose worker died.
+    assert res.completions == ("fine", "", "", "raise", "garbage", "nan", "fine")
     m = misbehaving.metrics()
     assert (m["reward/num_timeout"], m["reward/num_crash"], m["reward/num_error"]) == (1, 1, 1)
     assert m["reward/num_invalid"] == 2
+    # The hang and the crash were each retried once (a worker killed from outside is not the
+    # sample's fault); raising and garbage are the reward function's answer: never retried.
+    assert m["reward/retries"] == 2
     # The pool still works after replacing its workers.
     assert misbehaving.score([("p", "fine", {})], timeout=30).ok.all()
 
 
-def test_results_keep_submission_order_and_run_concurrently():
-    items = [("p", "x" * n, {"sleep": 0.5}) for n in range(6)]
-    with pool.RewardPool(testing.length_reward, num_workers=3, timeout_s=20) as p:
-        p.score([("p", "warm", {})] * 3, timeout=60)  # workers started
-        t0 = time.monotonic()
-        res = p.score(items, timeout=60)
-        elapsed = time.monotonic() - t0
-    np.testing.assert_allclose(res.rewards, np.arange(6) / 10)
-    assert elapsed < 2.5  # 6 x 0.5 s on 3 workers: ~1 s, not 3 s
+def test_failed_rewards_get_the_configured_value():
+    with pool.RewardPool(testing.misbehaving_reward, num_workers=1, failed_reward=-0.5) as p:
+        res = p.score([("p", "raise", {}), ("p", "fine", {})], timeout=60)
+    np.testing.assert_array_equal(res.rewards, [-0.5, 1.0])
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_from_outside_gets_its_sample_retried(tmp_path):
+    """os.kill(SIGKILL) mid-task (the OOM killer): the sample is rescored on a fresh worker."""
+    items = [("p", name, {"dir": str(tmp_path)}) for name in ("ok-1", "victim-22", "ok-333")]
+    with pool.RewardPool(KILLABLE, num_workers=2, timeout_s=300) as p:
+        ids = p.submit(items)
+        pid_file = tmp_path / "victim-22.pid"
+        while not pid_file.exists():  # the victim's first attempt is running
+            time.sleep(0.01)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        res = p.results(ids, timeout=100)
+        m = p.metrics()
+    assert res.status == ("ok", "ok", "ok") and res.ok.all()
+    np.testing.assert_allclose(res.rewards, [0.4, 0.9, 0.6])  # its real score, not failed
+    assert (m["reward/retries"], m["reward/num_crash"], m["reward/num_ok"]) == (1, 0, 3)
+
+
+@pytest.mark.timeout(120)
+def test_results_keep_submission_order_and_run_concurrently(tmp_path):
+    """Six samples on three workers, in two barriers of three: finishing proves concurrency."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    items = [
+        ("p", "x" * (n + 1), {"dir": str(tmp_path / "ab"[n // 3]), "parties": 3, "wait_s": 60})
+        for n in range(6)
+    ]
+    with pool.RewardPool(BARRIER, num_workers=3, timeout_s=100) as p:
+        res = p.score(items, timeout=100)
+    assert res.status == ("ok",) * 6, res.detail
+    np.testing.assert_allclose(res.rewards, np.arange(1, 7) / 10)  # submission order
+    assert sorted(os.listdir(tmp_path / "b")) == ["x" * n for n in range(4, 7)]
+
+
+@pytest.mark.timeout(120)
+def test_the_barrier_does_not_open_for_fewer_parties(tmp_path):
+    """The barrier's control: two samples of a barrier of three time out waiting."""
+    meta = {"dir": str(tmp_path), "parties": 3, "wait_s": 0.5}
+    with pool.RewardPool(BARRIER, num_workers=2, timeout_s=100) as p:
+        res = p.score([("p", "x" * n, meta) for n in range(1, 3)], timeout=100)
+    assert res.status == ("error", "error") and "never ran alongside" in res.detail[0]
+
+
+def test_workers_detokenize_and_return_the_text():
+    """Token ids are detokenized in the worker (off the host); results carry the text."""
+    with pool.RewardPool(testing.length_reward, num_workers=2, detokenize=str) as p:
+        res = p.score([("p", [1, 2, 3], {}), ("p", "abc", {}), ("p", [], {})], timeout=60)
+    assert res.completions == ("[1, 2, 3]", "abc", "[]")
+    np.testing.assert_allclose(res.rewards, [0.9, 0.3, 0.2])
+    with (
+        pool.RewardPool(testing.length_reward, num_workers=1) as p,
+        pytest.raises(TypeError, match="detokenize"),
+    ):
+        p.submit([("p", [1, 2], {})])
+
+
+def test_a_detokenizer_that_raises_fails_only_its_sample():
+    with pool.RewardPool(testing.length_reward, num_workers=1, detokenize=bytes) as p:
+        res = p.score([("p", [104, 105], {}), ("p", [-1], {})], timeout=60)
+    assert res.status == ("error", "error")  # b"hi" is not a str; bytes([-1]): ValueError
+    assert "detokenize" in res.detail[0] and "detokenize" in res.detail[1]
 
 
 def test_invalid_arguments():
