@@ -2,7 +2,15 @@
 
 from espo.model.config import ModelConfig, RoutingMode
 from espo.model.layers import KVCache, init_cache
-from espo.model.transformer import ModelAux, ModelOutput, forward, init, param_shapes
+from espo.model.transformer import (
+    ModelAux,
+    ModelOutput,
+    UnrecordedRouteError,
+    check_replay,
+    forward,
+    init,
+    param_shapes,
+)
 
 __all__ = [
     "KVCache",
@@ -10,6 +18,8 @@ __all__ = [
     "ModelConfig",
     "ModelOutput",
     "RoutingMode",
+    "UnrecordedRouteError",
+    "check_replay",
     "forward",
     "init",
     "init_cache",

@@ -20,13 +20,15 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from espo.model import config as config_lib
 from espo.model import layers
 
 RoutingMode = config_lib.RoutingMode
 DISPATCH_IMPLS = ("auto", "ragged", "blocked")
+# What a replayed forward does with a real token whose recorded expert id is -1 (see `forward`).
+REPLAY_MISSING = ("error", "free")
 
 
 @flax.struct.dataclass
@@ -38,6 +40,14 @@ class MoeExtras:
     load_balancing_loss: Float[Array, " "]
     z_loss: Float[Array, " "]
     expert_load: Float[Array, " E"]  # fraction of (valid) assignments per expert
+    unrecorded: Bool[Array, " M"]  # real tokens replayed with a -1 id (always False when FREE)
+
+
+def unrecorded_routes(
+    replay_ids: Int[Array, "M K"], token_mask: Float[Array, " M"]
+) -> Bool[Array, " M"]:
+    """Real (token_mask > 0) tokens with at least one unrecorded (-1) replayed expert."""
+    return (token_mask > 0) & jnp.any(replay_ids < 0, axis=-1)
 
 
 def route(
@@ -48,31 +58,48 @@ def route(
     mode: RoutingMode,
     replay_ids: Int[Array, "M K"] | None = None,
     replay_weights: Float[Array, "M K"] | None = None,
+    free_mask: Bool[Array, " M"] | None = None,
 ) -> tuple[Int[Array, "M K"], Float[Array, "M K"]]:
     """Chosen experts and gate weights, float32, in Qwen3-MoE / Mixtral semantics.
 
     Gates are the softmax over *all* experts (float32) gathered at the chosen ids, renormalised
-    to sum to one when `norm_topk_prob`. Under REPLAY_IDS that gather happens at the replayed ids
-    from the live logits, so it equals a softmax restricted to the replayed experts and the router
-    gets gradient; ids of -1 contribute zero weight.
+    to sum to one when `norm_topk_prob`: p = softmax(logits), w_k = p[id_k] / sum_j p[id_j]
+    (HF `Qwen3MoeSparseMoeBlock` / `MixtralSparseMoeBlock`). Under REPLAY_IDS that gather
+    happens at the replayed ids from the live logits, so it equals a softmax restricted to the
+    replayed experts and the router gets gradient; ids of -1 get weight exactly zero (selected
+    with `where`, whatever the replayed weight holds).
+
+    free_mask: rows that take the router's own top-k and gates whatever the replay says (the
+      `replay_missing="free"` fallback for real tokens with unrecorded ids). Replacing the whole
+      row, not only its -1 slots, keeps the K experts of a token distinct.
     """
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [M, E]
-    if mode is RoutingMode.FREE:
-        weights, ids = jax.lax.top_k(probs, top_k)  # [M, K]
-        ids = ids.astype(jnp.int32)
-    else:
-        if replay_ids is None:
-            raise ValueError(f"routing_mode={mode.name} needs `routing` (a RouterTrace)")
-        ids = jax.lax.stop_gradient(replay_ids).astype(jnp.int32)
-        valid = (ids >= 0).astype(jnp.float32)
-        if mode is RoutingMode.REPLAY_IDS_AND_WEIGHTS:
-            weights = jax.lax.stop_gradient(replay_weights).astype(jnp.float32) * valid
-            return ids, weights
-        weights = jnp.take_along_axis(probs, jnp.maximum(ids, 0), axis=-1) * valid  # [M, K]
+    free_weights, free_ids = jax.lax.top_k(probs, top_k)  # [M, K]
+    free_ids = free_ids.astype(jnp.int32)
     if norm_topk_prob:
-        # Renormalising keeps the zero weight of unrecorded (-1) ids at zero.
-        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
+        free_weights = _renormalise(free_weights)  # [M, K]
+    if mode is RoutingMode.FREE:
+        return free_ids, free_weights
+    if replay_ids is None:
+        raise ValueError(f"routing_mode={mode.name} needs `routing` (a RouterTrace)")
+    ids = jax.lax.stop_gradient(replay_ids).astype(jnp.int32)  # [M, K]
+    valid = ids >= 0  # [M, K]
+    if mode is RoutingMode.REPLAY_IDS_AND_WEIGHTS:
+        given = jax.lax.stop_gradient(replay_weights).astype(jnp.float32)  # [M, K]
+        weights = jnp.where(valid, given, 0.0)  # [M, K]
+    else:
+        gathered = jnp.take_along_axis(probs, jnp.maximum(ids, 0), axis=-1)  # [M, K]
+        weights = jnp.where(valid, gathered, 0.0)  # [M, K]
+        if norm_topk_prob:
+            weights = _renormalise(weights)  # the zero weight of -1 ids stays zero
+    if free_mask is not None:
+        ids = jnp.where(free_mask[:, None], free_ids, ids)  # [M, K]
+        weights = jnp.where(free_mask[:, None], free_weights, weights)  # [M, K]
     return ids, weights
+
+
+def _renormalise(weights: Float[Array, "M K"]) -> Float[Array, "M K"]:
+    return weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
 
 
 def _swiglu_rows(h_gate, h_up):
@@ -211,6 +238,7 @@ class MoeBlock(nn.Module):
     cfg: config_lib.ModelConfig
     mode: RoutingMode = RoutingMode.FREE
     impl: str = "auto"
+    replay_missing: str = "error"  # "free": real tokens with unrecorded ids route freely
 
     @nn.compact
     def __call__(
@@ -235,6 +263,11 @@ class MoeBlock(nn.Module):
         # Router logits in float32 whatever the compute dtype: routing decisions are sensitive.
         logits = xf.astype(jnp.float32) @ w_router.astype(jnp.float32)  # [M, E]
         flat = lambda a: None if a is None else a.reshape(B * T, K)
+        flat_mask = token_mask.reshape(B * T)  # [M]
+        if self.mode is RoutingMode.FREE or replay_ids is None:
+            unrecorded = jnp.zeros((B * T,), bool)  # [M]
+        else:
+            unrecorded = unrecorded_routes(flat(replay_ids), flat_mask)  # [M]
         ids, weights = route(
             logits,
             top_k=K,
@@ -242,6 +275,7 @@ class MoeBlock(nn.Module):
             mode=self.mode,
             replay_ids=flat(replay_ids),
             replay_weights=flat(replay_weights),
+            free_mask=unrecorded if self.replay_missing == "free" else None,
         )  # [M, K] each
         out = dispatch(
             xf,
@@ -258,12 +292,13 @@ class MoeBlock(nn.Module):
                 w_sg = self.param("shared_expert_gate", init_d, (D, 1), pd)
                 shared = jax.nn.sigmoid(xf @ w_sg.astype(dt)) * shared  # [M, D]
             out = out + shared
-        lb_loss, z_loss, load = router_losses(logits, ids, token_mask.reshape(B * T))
+        lb_loss, z_loss, load = router_losses(logits, ids, flat_mask)
         extras = MoeExtras(
             expert_ids=ids,
             expert_weights=weights,
             load_balancing_loss=lb_loss,
             z_loss=z_loss,
             expert_load=load,
+            unrecorded=unrecorded,
         )
         return out.reshape(B, T, D), extras

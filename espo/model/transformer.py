@@ -14,6 +14,8 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
 from espo import types
@@ -31,6 +33,10 @@ class ModelAux:
     z_loss: Float[Array, " "]
     expert_load: Float[Array, "L E"]  # fraction of assignments per expert; 0 for dense layers
     total: Float[Array, " "]  # aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss
+    # (real token, MoE layer) pairs replayed with an unrecorded (-1) id; 0 when FREE. Under
+    # replay_missing="error" a caller that jits `forward` without `checkify` must check it is 0
+    # (`check_replay` names the layer and positions); under "free" it counts the fallbacks.
+    num_unrecorded_routes: Int[Array, " "]
 
 
 @flax.struct.dataclass
@@ -54,6 +60,7 @@ class Block(nn.Module):
     is_moe: bool
     mode: RoutingMode
     impl: str
+    replay_missing: str
 
     @nn.compact
     def __call__(self, carry, layer_in, ctx):
@@ -72,7 +79,7 @@ class Block(nn.Module):
         x = x + a
         h = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="post_attn_norm")(x)
         if self.is_moe:
-            m, extras = moe.MoeBlock(cfg, self.mode, self.impl, name="moe")(
+            m, extras = moe.MoeBlock(cfg, self.mode, self.impl, self.replay_missing, name="moe")(
                 h,
                 token_mask=ctx["token_mask"],
                 replay_ids=layer_in["replay_ids"],
@@ -87,6 +94,7 @@ class Transformer(nn.Module):
     cfg: config_lib.ModelConfig
     mode: RoutingMode = RoutingMode.FREE
     impl: str = "auto"
+    replay_missing: str = "error"
 
     @nn.compact
     def __call__(self, tokens, *, ctx, kv, routing):
@@ -113,9 +121,10 @@ class Transformer(nn.Module):
                 in_axes=(0, nn.broadcast),
                 length=length,
             )
-            (x, kv), extras = scanned(cfg, is_moe, self.mode, self.impl, name=run_name(r))(
-                (x, kv), layer_in, ctx
+            block = scanned(
+                cfg, is_moe, self.mode, self.impl, self.replay_missing, name=run_name(r)
             )
+            (x, kv), extras = block((x, kv), layer_in, ctx)
             run_extras.append((is_moe, length, extras))
         x = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="final_norm")(x)
         hidden = x
@@ -182,6 +191,7 @@ def forward(
     routing_mode: RoutingMode = RoutingMode.FREE,
     dispatch_impl: str = "auto",
     return_hidden: bool = False,
+    replay_missing: str = "error",
 ) -> ModelOutput:
     """Logits, updated cache, router trace and router statistics for `tokens`.
 
@@ -196,11 +206,25 @@ def forward(
       dispatch_impl: static; "auto" (blocked on CPU, ragged elsewhere), "ragged" or "blocked".
       return_hidden: static; also return the final-norm hidden state [B, T, D] (for value or
         reward heads).
+      replay_missing: static; what a replaying forward does with a real token (attention_mask
+        True) whose recorded expert id in a MoE layer is -1 (never silent: the old behaviour, a
+        zero gate and a zero MoE output for that token, moved logits by ~2 without a sign):
+        * "error" (default): eagerly (concrete inputs) raise `UnrecordedRouteError` naming the
+          layer, row and positions. Under `jit` the count is returned in
+          `aux.num_unrecorded_routes`, which the caller must check (then `check_replay` names
+          the positions), and a `checkify.debug_check` raises the same message when the caller
+          wraps the function in `checkify.checkify`.
+        * "free": those tokens take the router's own top-k and gates in that layer (counted in
+          `aux.num_unrecorded_routes`); padding keeps its -1 ids.
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     B, T = tokens.shape
     K, L = cfg.top_k, cfg.num_layers
+    if replay_missing not in moe.REPLAY_MISSING:
+        raise ValueError(
+            f"replay_missing={replay_missing!r} is invalid: one of {moe.REPLAY_MISSING}"
+        )
     if routing_mode is not RoutingMode.FREE:
         want = (B, L, T, K)
         if routing is None or routing.expert_ids.shape != want:
@@ -209,13 +233,18 @@ def forward(
                 f"routing_mode={routing_mode.name} needs routing.expert_ids of shape "
                 f"[B, L, T, K]={want}, got {got}"
             )
+        concrete = not isinstance(routing.expert_ids, jax.core.Tracer) and not isinstance(
+            attention_mask, jax.core.Tracer
+        )
+        if replay_missing == "error" and concrete:
+            check_replay(cfg, routing, attention_mask)
     ctx = _context(cfg, tokens, positions=positions, attention_mask=attention_mask, cache=cache)
     kv = None if cache is None else (cache.k, cache.v)
     replay = None
     if routing is not None and routing_mode is not RoutingMode.FREE:
         to_layer_major = functools.partial(jnp.swapaxes, axis1=0, axis2=1)  # [L, B, T, K]
         replay = (to_layer_major(routing.expert_ids), to_layer_major(routing.expert_weights))
-    model = Transformer(cfg, routing_mode, dispatch_impl)
+    model = Transformer(cfg, routing_mode, dispatch_impl, replay_missing)
     layer_ctx = {k: v for k, v in ctx.items() if k != "kv_positions"}
     logits, hidden, new_kv, run_extras = model.apply(
         {"params": params}, tokens, ctx=layer_ctx, kv=kv, routing=replay
@@ -225,7 +254,21 @@ def forward(
         new_cache = layers.KVCache(
             k=new_kv[0], v=new_kv[1], kv_positions=ctx["kv_positions"], index=cache.index + T
         )
-    trace, aux = _collect_routing(cfg, run_extras, batch=B, length=T)
+    trace, aux, unrecorded = _collect_routing(cfg, run_extras, batch=B, length=T)
+    if routing_mode is not RoutingMode.FREE and replay_missing == "error":
+        # A no-op unless the caller wraps forward in `checkify.checkify` (then it raises there).
+        layer, row, pos = jnp.unravel_index(
+            jnp.argmax(jnp.swapaxes(unrecorded, 0, 1).reshape(-1)), (L, B, T)
+        )
+        checkify.debug_check(
+            aux.num_unrecorded_routes == 0,
+            "router replay: {n} real (token, MoE layer) pairs have an unrecorded expert id (-1), "
+            "first at layer {layer}, row {row}, position {pos}",
+            n=aux.num_unrecorded_routes,
+            layer=layer,
+            row=row,
+            pos=pos,
+        )
     return ModelOutput(
         logits=logits,
         cache=new_cache,
@@ -238,15 +281,17 @@ def forward(
 def _collect_routing(cfg, run_extras, *, batch, length):
     """Stack per-run `MoeExtras` into a RouterTrace [B, L, T, K] and layer-averaged losses."""
     K, E = cfg.top_k, cfg.num_experts
-    ids, weights, loads, lb, z = [], [], [], [], []
+    ids, weights, loads, lb, z, missing = [], [], [], [], [], []
     for is_moe, n, extras in run_extras:
         if is_moe:
+            missing.append(extras.unrecorded.reshape(n, batch, length))
             ids.append(extras.expert_ids.reshape(n, batch, length, K))
             weights.append(extras.expert_weights.reshape(n, batch, length, K))
             loads.append(extras.expert_load)
             lb.append(extras.load_balancing_loss)
             z.append(extras.z_loss)
         else:
+            missing.append(jnp.zeros((n, batch, length), bool))
             ids.append(jnp.full((n, batch, length, K), -1, jnp.int32))
             weights.append(jnp.zeros((n, batch, length, K), jnp.float32))
             loads.append(jnp.zeros((n, E), jnp.float32))
@@ -256,10 +301,46 @@ def _collect_routing(cfg, run_extras, *, batch, length):
     )
     lb_loss = jnp.mean(jnp.concatenate(lb)) if lb else jnp.zeros((), jnp.float32)
     z_loss = jnp.mean(jnp.concatenate(z)) if z else jnp.zeros((), jnp.float32)
+    unrecorded = jnp.swapaxes(jnp.concatenate(missing, axis=0), 0, 1)  # [B, L, T]
     aux = ModelAux(
         load_balancing_loss=lb_loss,
         z_loss=z_loss,
         expert_load=jnp.concatenate(loads, axis=0),
         total=cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss,
+        num_unrecorded_routes=jnp.sum(unrecorded, dtype=jnp.int32),
     )
-    return trace, aux
+    return trace, aux, unrecorded
+
+
+class UnrecordedRouteError(ValueError):
+    """A replayed forward was given -1 (unrecorded) expert ids for real tokens."""
+
+
+def check_replay(
+    cfg: config_lib.ModelConfig,
+    routing: types.RouterTrace,
+    attention_mask: Bool[Array, "B T"] | None = None,
+) -> None:
+    """Raise `UnrecordedRouteError` if a real token has a -1 replayed id in a MoE layer.
+
+    Host-side (numpy) on concrete arrays: call it before a jitted replaying forward, or after one
+    whose `aux.num_unrecorded_routes` is non-zero, to learn which layer and positions. Dense
+    layers (whose trace is -1 by convention) and padding (attention_mask False) are ignored.
+    """
+    ids = np.asarray(routing.expert_ids)  # [B, L, T, K]
+    B, _, T, _ = ids.shape
+    real = np.ones((B, T), bool) if attention_mask is None else np.asarray(attention_mask, bool)
+    problems = []
+    for layer in cfg.moe_layers:
+        bad = real & (ids[:, layer] < 0).any(-1)  # [B, T]
+        for row in np.flatnonzero(bad.any(-1)):
+            problems.append(
+                f"layer {layer} row {row} positions {np.flatnonzero(bad[row]).tolist()}"
+            )
+    if problems:
+        shown = "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")
+        raise UnrecordedRouteError(
+            f"router replay: real tokens (attention_mask True) have unrecorded expert ids (-1) "
+            f"in a MoE layer: {shown}. Record them, mask them out, or pass "
+            f'replay_missing="free" to route them freely.'
+        )
