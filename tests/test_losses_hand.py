@@ -222,3 +222,70 @@ class HandTest(parameterized.TestCase):
         assert abs(loss + (1.03 + 1 + eps1) / 2) < 1e-6
         np.testing.assert_allclose(grad, [[0, -1.03 / 4, -1.03 / 4, 0, 0]], **TOL)
         assert (m["clip_frac_group0"], m["clip_frac_group1"]) == (0.0, 1.0)
+
+    # ---- stop-gradients -----------------------------------------------------------------------
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        ("grpo", dict(name="grpo", clip_low=0.1, clip_high=0.3, kl_coef=0.2)),
+        ("gspo", dict(name="gspo", clip_low=0.05, clip_high=0.1, kl_coef=0.2)),
+        ("espo", dict(name="espo", vocab_size=30, alpha=0.5, kl_coef=0.2)),
+        ("cispo", dict(name="cispo", kl_coef=0.2)),
+    )
+    def test_only_logps_carries_gradient(self, cfg):
+        # Module contract: old_logps, advantages, entropies and ref_logps are stop-gradient'd, so
+        # a caller differentiating through them (e.g. old log-probs from the same params in the
+        # first epoch, or advantages computed in-graph) gets the policy gradient only.
+        cfg = losses.LossConfig(**cfg)
+        rng = np.random.default_rng(3)
+        inputs = {
+            k: jnp.asarray(rng.normal(-1.0, 0.3, (2, 4)), jnp.float32)
+            for k in ("logps", "old_logps", "advantages", "entropies", "ref_logps")
+        }
+        inputs["entropies"] = jnp.abs(inputs["entropies"])
+        mask = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
+
+        @self.variant
+        def grads(inputs):
+            return jax.grad(lambda x: losses.compute_loss(cfg, **x, mask=mask).loss)(inputs)
+
+        g = grads(inputs)
+        assert np.abs(np.asarray(g["logps"])).sum() > 0
+        for name in ("old_logps", "advantages", "entropies", "ref_logps"):
+            np.testing.assert_array_equal(g[name], 0.0, err_msg=name)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_ratio_on_the_bound_is_not_counted_as_clipped(self):
+        # verl counts a token as clipped when pg_losses2 > pg_losses1 (torch.gt), strictly: a
+        # ratio exactly on the bound gives equal losses and is not clipped. eps_low = eps_high = 0
+        # and logp = old put r = exp(0) = 1 exactly on both bounds, for A of both signs; `>=`
+        # in either indicator would report clip fractions 1/2.
+        cfg = dict(name="grpo", clip_low=0.0, clip_high=0.0)
+        zeros = np.zeros((2, 3))
+        _, _, m, _ = self.run_loss(
+            cfg, zeros, old_logps=zeros, advantages=[1.0, -1.0], mask=np.ones((2, 3))
+        )
+        assert (m["clip_frac_low"], m["clip_frac_high"], m["clip_frac"]) == (0.0, 0.0, 0.0)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        # verl vanilla clamps the token log ratio to [-20, 20] before exp; r = e^20 = 4.85165e8.
+        ("grpo", dict(name="grpo", clip_low=0.1, clip_high=0.3), 25.0, math.exp(20.0)),
+        # verl GSPO clamps the combined log ratio at 10; s = e^10 = 22026.47.
+        ("gspo", dict(name="gspo", clip_low=0.1, clip_high=0.3), 12.0, math.exp(10.0)),
+        ("espo", dict(name="espo", vocab_size=30, num_groups=1), 12.0, math.exp(10.0)),
+    )
+    def test_ratio_clamps(self, cfg, log_r, clamped):
+        # One token, A = -1, log r past the clamp: the pessimistic max keeps the unclipped
+        # -A r = r, which is the clamped value, and the clamp passes no gradient. Without the
+        # clamp: e^25 = 7.2e10 (or e^12 = 162755) with gradient equal to the value.
+        loss, grad, m, _ = self.run_loss(
+            cfg,
+            [[log_r]],
+            old_logps=[[0.0]],
+            advantages=[-1.0],
+            mask=[[1]],
+            entropies=[[1.0]],
+        )
+        assert abs(loss / clamped - 1.0) < 1e-5
+        np.testing.assert_array_equal(grad, [[0.0]])
+        assert abs(m["ratio_max"] / clamped - 1.0) < 1e-5
