@@ -73,6 +73,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.loss.espo_ratio = "gspo_token"  # ESPO ratio reading: gspo_token | literal (Eq. 9)
     c.loss.kl_coef = 0.0  # beta of the KL to the reference policy (0 = no reference)
     c.loss.kl_estimator = "k3"  # k1 | k2 | k3
+    c.loss.overlong_filter = False  # DAPO: truncated samples (no EOS) leave the loss
 
     # ---- zve: espo.zero_variance.ZveConfig (multi-stage zero-variance elimination) -------------
     c.zve = ml_collections.ConfigDict()
@@ -80,7 +81,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.zve.max_resample_rounds = 4  # resample: extra generation rounds at most
     c.zve.oversample = 1.0  # resample: min prompts drawn per missing group
     c.zve.max_oversample = 4.0  # resample: max prompts drawn per missing group
-    c.zve.max_carry_over_steps = 1  # resample: steps a leftover informative group is kept
+    c.zve.max_carry_over_steps = 0  # resample: steps a leftover group is kept (0: none, as DAPO)
     c.zve.atol = 1e-6  # rewards closer than this count as equal
     c.zve.prefilter = "drop"  # offline pass-rate pre-filter: drop | downweight | off
     c.zve.prefilter_low = 0.0  # pass rate <= this is filtered
