@@ -179,6 +179,26 @@ def test_soft_fake_continuing_greedy_in_chunks_equals_one_pass():
     np.testing.assert_array_equal(rest.router.expert_ids, whole.router.expert_ids)
     _assert_matches_recompute(rest, _fake_logits(SOFT), 0.0)
     assert (np.asarray(rest.entropies)[np.asarray(rest.mask)] > 0.5).all()
+    # Ragged prefixes (1, 3, 2 tokens of the one pass): rows reach the budget 3 at different
+    # steps, and one at its budget must not take another token while the others still run.
+    prompts, mask = sampler.left_pad([[1, 0]] * 3, [2] * 3, width=4, pad_id=PAD)
+    whole, _ = _continue(
+        SOFT, prompts, mask, jax.random.key(0), budgets=(3,), temperature=0.0, eos_id=V - 1
+    )
+    lengths = jnp.array([1, 3, 2])
+    keep = jnp.arange(16)[None] < lengths[:, None]
+    prefix = sampler.Prefix(
+        tokens=jnp.where(keep, whole.tokens, PAD), lengths=lengths,
+        logps=jnp.where(keep, whole.logps, 0.0), entropies=jnp.where(keep, whole.entropies, 0.0),
+    )  # fmt: skip
+    ragged = sampler.sample_chunk(
+        SOFT, None, jnp.asarray(prompts), jnp.asarray(mask), jax.random.key(0), jnp.asarray(3),
+        prefix, num_samples=1, gen_len=16, temperature=0.0, top_p=1.0, top_k=0,
+        ids=(V - 1, PAD),
+    )  # fmt: skip
+    np.testing.assert_array_equal(ragged.lengths, [3, 3, 3])
+    np.testing.assert_array_equal(ragged.tokens, whole.tokens)
+    np.testing.assert_allclose(ragged.entropies, whole.entropies, atol=1e-6)
 
 
 def test_soft_fake_sampled_continuation_keeps_prefix_logps_and_entropies():
