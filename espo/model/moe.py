@@ -216,19 +216,23 @@ def router_losses(
     Load balancing follows Hugging Face's `load_balancing_loss_func` for one layer:
     E * sum_e f_e * P_e with f_e = assignments to e per token and P_e = mean router probability,
     so a perfectly balanced router scores K. z-loss = mean logsumexp(logits)^2 (ST-MoE).
+    Both means run over the real tokens (token_mask > 0) only; padded rows may hold any value.
     """
     E = router_logits.shape[-1]
-    logits = router_logits.astype(jnp.float32)
-    num_tokens = jnp.maximum(jnp.sum(token_mask), 1.0)
-    probs = jax.nn.softmax(logits, axis=-1)  # [M, E]
+    real = token_mask > 0  # [M]
+    # Select before any arithmetic: padding may hold anything (inf, NaN) and must reach neither
+    # the value nor the gradient (0 * inf would be NaN).
+    logits = jnp.where(real[:, None], router_logits.astype(jnp.float32), 0.0)  # [M, E]
+    num_tokens = jnp.maximum(jnp.sum(real), 1).astype(jnp.float32)
+    probs = jnp.where(real[:, None], jax.nn.softmax(logits, axis=-1), 0.0)  # [M, E]
     one_hot = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.float32), axis=1)  # [M, E]; -1 -> zeros
-    assignments = jnp.sum(one_hot * token_mask[:, None], axis=0)  # [E]
-    tokens_per_expert = assignments / num_tokens  # [E]
-    prob_per_expert = jnp.sum(probs * token_mask[:, None], axis=0) / num_tokens  # [E]
+    assignments = jnp.sum(jnp.where(real[:, None], one_hot, 0.0), axis=0)  # [E]
+    tokens_per_expert = assignments / num_tokens  # [E], f_e
+    prob_per_expert = jnp.sum(probs, axis=0) / num_tokens  # [E], P_e over real tokens only
     lb_loss = E * jnp.sum(tokens_per_expert * prob_per_expert)
     z = jax.nn.logsumexp(logits, axis=-1)  # [M]
-    z_loss = jnp.sum(z * z * token_mask) / num_tokens
-    load = assignments / jnp.maximum(jnp.sum(assignments), 1.0)
+    z_loss = jnp.sum(jnp.where(real, z * z, 0.0)) / num_tokens
+    load = assignments / jnp.maximum(jnp.sum(assignments), 1.0)  # [E]
     return lb_loss, z_loss, load
 
 

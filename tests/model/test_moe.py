@@ -1,9 +1,12 @@
 """MoE dispatch against the plain per-expert loop, and the routing modes of `route`."""
 
+import chex
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from espo.model import RoutingMode, moe
 
@@ -101,3 +104,51 @@ def test_router_losses_balanced_router_scores_top_k():
     np.testing.assert_allclose(lb, 2.0, rtol=1e-6)
     np.testing.assert_allclose(z, np.log(4.0) ** 2, rtol=1e-6)
     np.testing.assert_allclose(load, [0.25] * 4)
+
+
+def test_router_losses_hand_example_with_padding():
+    # E=2, K=1. Real tokens: logits [0, 0] (p = [1/2, 1/2]) routed to 0, and [0, 0] routed to 1;
+    # the padded third token holds extreme logits. Over the n=2 real tokens:
+    #   f = [1/2, 1/2], P = [1/2, 1/2]  ->  lb = E * sum_e f_e P_e = 2 * (1/4 + 1/4) = 1.0
+    #   z = mean lse^2 = ln(2)^2 = 0.48045
+    # (P averaged over all M=3 tokens with padding zeroed would give lb = 2 * 2 * (1/2)(1/3) =
+    # 0.667; with the padded probabilities included, p_pad = [1, 0]: NaN or lb = 1.33.)
+    logits = jnp.array([[0.0, 0.0], [0.0, 0.0], [1e9, -1e9]])
+    ids = jnp.array([[0], [1], [0]], jnp.int32)
+    lb, z, load = moe.router_losses(logits, ids, jnp.array([1.0, 1.0, 0.0]))
+    np.testing.assert_allclose(lb, 1.0, rtol=1e-6)
+    np.testing.assert_allclose(z, np.log(2.0) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(load, [0.5, 0.5])
+
+
+@hypothesis.given(
+    seed=st.integers(0, 2**16),
+    num_pad=st.integers(1, 4),
+    fill=st.sampled_from([1e9, -1e9, np.inf, -np.inf, np.nan]),
+)
+@hypothesis.settings(max_examples=25, deadline=None)
+def test_router_losses_ignore_whatever_padding_holds(seed, num_pad, fill):
+    # Padded rows hold extreme / non-finite logits and arbitrary ids: value and gradient equal
+    # those of the real rows alone (gradient 0 at padding). Catches P_e or f_e averaged over all
+    # tokens, and masks applied by multiplication (0 * inf = NaN).
+    rng = np.random.default_rng(seed)
+    real_logits = jnp.asarray(rng.normal(size=(5, E)) * 2, jnp.float32)
+    real_ids = jnp.asarray(rng.choice(E, size=(5, K)), jnp.int32)
+    pad_logits = jnp.full((num_pad, E), fill, jnp.float32).at[:, 0].set(1.0)
+    pad_ids = jnp.asarray(rng.choice(E, size=(num_pad, K)), jnp.int32)
+    logits = jnp.concatenate([pad_logits, real_logits])
+    ids = jnp.concatenate([pad_ids, real_ids])
+    mask = jnp.concatenate([jnp.zeros(num_pad), jnp.ones(5)])
+
+    def losses(lg, i, m):
+        lb, z, _ = moe.router_losses(lg, i, m)
+        return 0.7 * lb + 0.3 * z, (lb, z)
+
+    (_, want), want_grad = jax.value_and_grad(losses, has_aux=True)(
+        real_logits, real_ids, jnp.ones(5)
+    )
+    (_, got), grad = jax.value_and_grad(losses, has_aux=True)(logits, ids, mask)
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
+    chex.assert_tree_all_finite(grad)
+    chex.assert_trees_all_close(grad[num_pad:], want_grad, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(grad[:num_pad], 0.0)
