@@ -5,11 +5,19 @@ One rollout step:
      chunks with bounded compiled shapes (or `plan_fifo`, the naive baseline);
   2. chunk i+1 is dispatched to the device (JAX dispatch is asynchronous) before chunk i is
      copied to the host, so the device keeps decoding while the host works;
-  3. each finished sample (EOS, or `max_new_tokens`) is detokenized and handed to the
-     `RewardPool` at once, so rewards are computed while later chunks decode;
+  3. each finished sample (EOS, or `max_new_tokens`) is handed to the `RewardPool` at once as
+     token ids; the pool's workers detokenize and score it while later chunks decode, so
+     detokenization is parallel and off the host's decode loop (`detokenize=` on the host
+     is the serial alternative, for a pool without a detokenizer);
   4. rows that hit their chunk's budget without EOS are continued from their prefix in the next
      wave (`continuation_plan`): the scheduler never truncates;
-  5. the length predictor learns this step's lengths.
+  5. the length predictor learns this step's lengths, keyed by `prompt_ids` (stable ids from
+     the data pipeline: a batch position is not a prompt, so a predictor needs them).
+
+Every chunk draws from its own key, `fold_in(key, chunk number)`: samples of one prompt in
+different chunks at the same row are independent, and the same key reproduces the rollout.
+With `num_shards` > 1 the plan assigns chunks to data-parallel shards by LPT on their cost
+(`rollout/shard_imbalance` reports the realised max / mean load); this host decodes them all.
 The result is a `types.Rollout` with sampler log-probs, entropies, the router trace for replay,
 rewards (failed ones flagged in `reward_ok`) and per-phase timings and scheduling metrics.
 """
@@ -57,18 +65,23 @@ def generate_and_score(
     buckets: scheduling.LengthBuckets,
     max_chunk_size: int,
     reward_pool: pool_lib.RewardPool,
-    detokenize: Callable[[Sequence[int]], str],
+    detokenize: Callable[[Sequence[int]], str] | None = None,
     predictor: scheduling.LengthPredictor | None = None,
     prompt_ids: Sequence[str | int] | None = None,
     schedule: str = "length_aware",
+    num_shards: int = 1,
 ) -> types.Rollout:
     """Sample `group_sizes[p]` completions of each prompt and score them (see module doc).
 
     Args:
       prompts: token ids of each prompt; `prompt_texts` / `metas` go to the reward function.
       group_sizes: G for every prompt, or one G per prompt (adaptive group size).
-      predictor: learns lengths across steps (updated in place); a fresh one if None.
-      prompt_ids: stable ids for the predictor's history (default: the prompt index).
+      detokenize: None (default): the reward pool's workers detokenize (the pool needs
+        `RewardPool(detokenize=...)`); a callable: detokenize on the host, serially.
+      predictor: learns lengths across steps (updated in place); needs `prompt_ids`. None: a
+        fresh one for this call (no history).
+      prompt_ids: stable ids of the prompts, the keys of the predictor's history.
+      num_shards: data-parallel shards the plan balances chunks over (1 on one device).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is invalid; valid: {SCHEDULES}")
@@ -77,6 +90,21 @@ def generate_and_score(
             f"prompts ({len(prompts)}), prompt_texts ({len(prompt_texts)}) and metas "
             f"({len(metas)}) must have the same length"
         )
+    if predictor is not None and prompt_ids is None:
+        raise ValueError(
+            "prompt_ids=None with a predictor: its history is keyed by prompt id, and batch "
+            "positions would share history between different prompts; pass the data "
+            "pipeline's stable prompt ids (or predictor=None for no history)"
+        )
+    if prompt_ids is not None and len(prompt_ids) != len(prompts):
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} ids for {len(prompts)} prompts")
+    if detokenize is None and getattr(reward_pool, "detokenize", None) is None:
+        raise ValueError(
+            "detokenize=None needs a reward pool that detokenizes: "
+            "RewardPool(reward_fn, detokenize=tokenizer.decode), or pass detokenize="
+        )
+    if num_shards < 1:
+        raise ValueError(f"num_shards={num_shards} is invalid: >= 1")
     if isinstance(model, config_lib.ModelConfig):
         model = sampler.EspoModel(model)
     buckets.check_max_new_tokens(sampling.max_new_tokens)
@@ -90,7 +118,10 @@ def generate_and_score(
     ]
     row_prompt = np.repeat(np.arange(len(prompts)), sizes)
     plan_kw = dict(
-        buckets=buckets, max_chunk_size=max_chunk_size, max_new_tokens=sampling.max_new_tokens
+        buckets=buckets,
+        max_chunk_size=max_chunk_size,
+        max_new_tokens=sampling.max_new_tokens,
+        num_shards=num_shards,
     )
     if schedule == "fifo":
         wave = scheduling.plan_fifo(requests, **plan_kw)
@@ -179,9 +210,11 @@ def generate_and_score(
                 )
         items = []
         for r in done:
-            completions[r] = detokenize(buf.tokens[r, : buf.lengths[r]].tolist())
+            completion = buf.tokens[r, : buf.lengths[r]].tolist()
+            if detokenize is not None:
+                completions[r] = completion = detokenize(completion)
             p = row_prompt[r]
-            items.append((prompt_texts[p], completions[r], metas[p]))
+            items.append((prompt_texts[p], completion, metas[p]))
         task_of_row.update(zip(done, reward_pool.submit(items), strict=True))
         handoff_s += time.perf_counter() - t
         return unfinished
@@ -197,6 +230,8 @@ def generate_and_score(
         wave = scheduling.continuation_plan(unfinished, **plan_kw)
     t_generated = time.perf_counter()
     scores = reward_pool.results([task_of_row[r] for r in range(N)])
+    if detokenize is None:
+        completions = list(scores.completions)
     t_end = time.perf_counter()
     predictor.observe_requests(requests, buf.lengths.tolist())
 
@@ -210,7 +245,10 @@ def generate_and_score(
     pool1 = reward_pool.metrics()
     useful = int(buf.lengths.sum())
     metrics = {
-        **{f"rollout/{k}": v for k, v in scheduling.schedule_metrics(records).items()},
+        **{
+            f"rollout/{k}": v
+            for k, v in scheduling.schedule_metrics(records, num_shards=num_shards).items()
+        },
         "rollout/generate_s": t_generated - t0,
         "rollout/host_handoff_s": handoff_s,
         "rollout/reward_wait_s": t_end - t_generated,

@@ -1,22 +1,41 @@
-"""generate_and_score: exact rollouts on a fake model, scheduling, overlap of rewards."""
+"""generate_and_score: exact rollouts on a fake model, real distributions on the tiny model,
+scheduling, overlap of rewards with decoding (proven by order of events, never elapsed time).
+"""
 
+import dataclasses
+import functools
+import os
+import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo import rollout, sampler, scheduling, testing
+from espo import model, rollout, sampler, scheduling, testing
 from espo.rewards import pool as pool_lib
 
 V = 64
 EOS = V - 1
 SAMPLING = sampler.SamplingParams(max_new_tokens=40, eos_id=EOS, pad_id=0)
 BUCKETS = scheduling.LengthBuckets(prompt_buckets=(4, 8), generation_buckets=(8, 16, 32, 48))
+SIZES = [2, 1, 3, 2, 1, 2, 2, 1]
+IDS = [f"q{i}" for i in range(8)]
 
 
-def detokenize(tokens):
-    return " ".join(map(str, tokens))
+class FromSource:
+    """A reward function each worker builds by executing `source` (which defines `reward`).
+
+    The tests run with --import-mode=importlib, so functions defined in a test module cannot be
+    unpickled in a spawned worker; `eval` is a builtin, so this pickles to (eval, source).
+    """
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def __reduce__(self):
+        return (eval, (f"(lambda ns: (exec({self.source!r}, ns), ns['reward'])[1])({{}})",))
 
 
 def _prompts():
@@ -28,18 +47,21 @@ def _prompts():
 
 @pytest.fixture(scope="module")
 def reward_pool():
-    with pool_lib.RewardPool(testing.length_reward, num_workers=2, timeout_s=30) as p:
+    # `str` is the workers' detokenizer: [61, 62] -> "[61, 62]".
+    with pool_lib.RewardPool(testing.length_reward, num_workers=2, detokenize=str) as p:
         yield p
 
 
-def _run(reward_pool, model, *, schedule="length_aware", predictor=None, sampling=SAMPLING):
+def _run(reward_pool, fake, **kw):
     prompts, _ = _prompts()
-    return rollout.generate_and_score(
-        model, None, prompts=prompts, prompt_texts=[f"p{i}" for i in range(8)],
-        metas=[{}] * 8, group_sizes=[2, 1, 3, 2, 1, 2, 2, 1], key=jax.random.key(0),
-        sampling=sampling, buckets=BUCKETS, max_chunk_size=4, reward_pool=reward_pool,
-        detokenize=detokenize, predictor=predictor, schedule=schedule,
+    args = dict(
+        prompts=prompts, prompt_texts=[f"p{i}" for i in range(8)], metas=[{}] * 8,
+        group_sizes=SIZES, key=jax.random.key(0), sampling=SAMPLING, buckets=BUCKETS,
+        max_chunk_size=4, reward_pool=reward_pool,
     )  # fmt: skip
+    if kw.get("predictor") is not None:
+        args["prompt_ids"] = IDS
+    return rollout.generate_and_score(fake, None, **(args | kw))
 
 
 def test_exact_rollout_continuations_rewards_and_trace(reward_pool):
@@ -47,56 +69,265 @@ def test_exact_rollout_continuations_rewards_and_trace(reward_pool):
     short = scheduling.LengthPredictor(default_length=4)
     out = _run(reward_pool, testing.CountingModel(vocab=V), predictor=short)
     prompts, lasts = _prompts()
-    sizes = [2, 1, 3, 2, 1, 2, 2, 1]
-    np.testing.assert_array_equal(out.group_ids, np.repeat(np.arange(8), sizes))
+    np.testing.assert_array_equal(out.group_ids, np.repeat(np.arange(8), SIZES))
     for r, p in enumerate(out.group_ids):
         n = min(63 - lasts[p], 40)  # never truncated by the scheduler, only by max_new_tokens
         want = list(range(lasts[p] + 1, lasts[p] + 1 + n))
         assert out.lengths[r] == n and out.tokens[r, :n].tolist() == want
         assert out.finished[r] == (63 - lasts[p] <= 40)
-        assert out.completions[r] == detokenize(want)
-        assert out.rewards[r] == pytest.approx(len(detokenize(want)) / 10)
+        assert out.completions[r] == str(want)  # detokenized by a worker
+        assert out.rewards[r] == pytest.approx(len(str(want)) / 10)
     assert out.reward_ok.all()
-    # Rows that needed more than one chunk were continued (budget 8 < their length).
-    assert out.metrics["rollout/num_chunks"] > 5
+    # Rows that needed more than one chunk were continued (budget 8 < their length), and
+    # their prefill was paid again.
+    assert out.metrics["rollout/num_chunks"] > 5 and out.metrics["rollout/reprefill_positions"]
     # The router trace covers prompt + completion in the training layout (-1 on padding).
     tokens, mask = out.training_inputs()
     np.testing.assert_array_equal(out.router.expert_ids[:, 0, :, 0], np.where(mask, tokens % 3, -1))
     np.testing.assert_allclose(out.logps[out.mask], 0.0, atol=1e-6)
+    # The predictor learnt each prompt's length under its id.
+    np.testing.assert_allclose(
+        short.predict([scheduling.Request(prompt_id=i, sample_index=0, prompt_length=1)
+                       for i in IDS]),
+        [min(63 - t, 40) for t in lasts],
+    )  # fmt: skip
+
+
+def test_host_detokenization_gives_the_same_rollout(reward_pool):
+    fake = testing.CountingModel(vocab=V)
+    in_workers = _run(reward_pool, fake)
+    on_host = _run(reward_pool, fake, detokenize=lambda t: str(t))
+    assert on_host.completions == in_workers.completions
+    np.testing.assert_array_equal(on_host.rewards, in_workers.rewards)
+    assert on_host.metrics["rollout/host_handoff_s"] > 0
+    with (
+        pool_lib.RewardPool(testing.length_reward, num_workers=1) as plain,
+        pytest.raises(ValueError, match="detokenize=None needs a reward pool"),
+    ):
+        _run(plain, fake)
 
 
 def test_fifo_and_length_aware_agree_and_waste_less(reward_pool):
-    model = testing.CountingModel(vocab=V)
+    fake = testing.CountingModel(vocab=V)
     predictor = scheduling.LengthPredictor()
-    _run(reward_pool, model, predictor=predictor)  # one step of history
-    aware = _run(reward_pool, model, predictor=predictor)
-    fifo = _run(reward_pool, model, schedule="fifo")
+    _run(reward_pool, fake, predictor=predictor)  # one step of history
+    aware = _run(reward_pool, fake, predictor=predictor)
+    fifo = _run(reward_pool, fake, schedule="fifo")
     for field in ("tokens", "lengths", "finished", "rewards", "group_ids"):
         np.testing.assert_array_equal(getattr(aware, field), getattr(fifo, field))
     np.testing.assert_array_equal(aware.router.expert_ids, fifo.router.expert_ids)
     assert aware.metrics["rollout/padding_waste"] < fifo.metrics["rollout/padding_waste"]
 
 
-def test_rewards_overlap_generation():
-    """A slow reward adds far less than its full time: it runs while later chunks decode."""
-    model = testing.CountingModel(vocab=V, step_delay_s=0.01)
-    with pool_lib.RewardPool(testing.length_reward, num_workers=4, timeout_s=30) as fast:
-        _run(fast, model)  # compile
-        gen_only = _run(fast, model).metrics["rollout/total_s"]
-    slow_meta = [{"sleep": 0.25}] * 8
-    with pool_lib.RewardPool(testing.length_reward, num_workers=4, timeout_s=30) as slow:
-        slow.score([("p", "warm", {})] * 4, timeout=60)
-        t0 = time.perf_counter()
-        slow.score([("p", "x", slow_meta[0])] * 14, timeout=60)
-        reward_only = time.perf_counter() - t0
-        prompts, _ = _prompts()
-        out = rollout.generate_and_score(
-            model, None, prompts=prompts, prompt_texts=["p"] * 8, metas=slow_meta,
-            group_sizes=[2, 1, 3, 2, 1, 2, 2, 1], key=jax.random.key(0), sampling=SAMPLING,
-            buckets=BUCKETS, max_chunk_size=4, reward_pool=slow, detokenize=detokenize,
-        )  # fmt: skip
-    wall = out.metrics["rollout/total_s"]
-    assert wall < gen_only + 0.6 * reward_only, (wall, gen_only, reward_only)
+def test_chunks_are_balanced_over_the_shards(reward_pool, monkeypatch):
+    """num_shards reaches every plan (first wave and continuations) and the metrics."""
+    seen = []
+
+    def spy(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kw):
+            chunks = fn(*args, **kw)
+            seen.append((fn.__name__, kw.get("num_shards", 1), [c.shard for c in chunks]))
+            return chunks
+
+        return wrapped
+
+    for name in ("plan_chunks", "plan_fifo", "continuation_plan"):
+        monkeypatch.setattr(scheduling, name, spy(getattr(scheduling, name)))
+    fake, short = testing.CountingModel(vocab=V), scheduling.LengthPredictor(default_length=4)
+    out = _run(reward_pool, fake, predictor=short, num_shards=3, max_chunk_size=2)
+    names = [name for name, _, _ in seen]
+    assert names[0] == "plan_chunks" and "continuation_plan" in names
+    assert all(n == 3 for _, n, _ in seen)
+    assert {s for _, _, shards in seen[:1] for s in shards} == {0, 1, 2}  # 8 chunks on 3
+    assert 1.0 < out.metrics["rollout/shard_imbalance"] < 3.0
+    one = _run(reward_pool, fake, predictor=short, max_chunk_size=2)
+    assert one.metrics["rollout/shard_imbalance"] == 1.0
+    np.testing.assert_array_equal(one.tokens, out.tokens)  # shards change the plan, not samples
+    with pytest.raises(ValueError, match="num_shards=0"):
+        _run(reward_pool, fake, num_shards=0)
+
+
+def test_a_predictor_needs_stable_prompt_ids(reward_pool):
+    """Batch positions are not prompts: with history, prompt_ids=None would mix prompts."""
+    fake = testing.CountingModel(vocab=V)
+    with pytest.raises(ValueError, match="prompt_ids=None with a predictor"):
+        _run(reward_pool, fake, predictor=scheduling.LengthPredictor(), prompt_ids=None)
+    with pytest.raises(ValueError, match="prompt_ids has 3 ids for 8 prompts"):
+        _run(reward_pool, fake, prompt_ids=["a", "b", "c"])
+
+
+# ---------------------------------------------------------------- overlap, by order of events
+
+# The first sample to start creates <dir>/reward_started and returns only once <dir>/decoded
+# exists, which the model writes from a decode step that sees reward_started: the reward
+# finishes only if a decode step runs while it does (else TimeoutError -> reward_ok False).
+WAIT_FOR_DECODE = FromSource(
+    """
+def reward(prompt, completion, meta):
+    import os, time
+    try:
+        os.close(os.open(os.path.join(meta["dir"], "reward_started"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return len(completion) / 10
+    deadline = time.monotonic() + meta["wait_s"]
+    while not os.path.exists(os.path.join(meta["dir"], "decoded")):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no decode step ran while this reward ran")
+        time.sleep(0.002)
+    return len(completion) / 10
+"""
+)
+
+
+class _Probe:
+    """Decode-side half of the handshake (hashable by identity: the model is a jit static)."""
+
+    def __init__(self, directory, wait_s):
+        self.dir, self.wait_s = directory, wait_s
+        self.submitted = threading.Event()
+        self.events: list[str] = []
+
+    def on_decode_step(self):
+        if self.submitted.is_set() and "decoded" not in self.events:
+            self.events.append("decode step after a submission")
+            deadline = time.monotonic() + self.wait_s
+            while not os.path.exists(os.path.join(self.dir, "reward_started")):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no reward started while decoding")
+                time.sleep(0.002)
+            self.events.append("reward started")
+            open(os.path.join(self.dir, "decoded"), "w").close()
+            self.events.append("decoded")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProbedModel:
+    """CountingModel whose every forward calls `probe.on_decode_step()` on the host."""
+
+    inner: testing.CountingModel
+    probe: _Probe
+
+    num_layers = property(lambda self: self.inner.num_layers)
+    top_k = property(lambda self: self.inner.top_k)
+
+    def init_cache(self, **kw):
+        return self.inner.init_cache(**kw)
+
+    def forward(self, params, tokens, *, attention_mask, cache):
+        out = self.inner.forward(params, tokens, attention_mask=attention_mask, cache=cache)
+
+        def step(x):
+            self.probe.on_decode_step()
+            return np.zeros_like(x)
+
+        shape = jax.ShapeDtypeStruct(out.logits.shape, out.logits.dtype)
+        return out.replace(logits=out.logits + jax.pure_callback(step, shape, out.logits))
+
+
+class _SignallingPool:
+    """A RewardPool that tells the probe when the rollout first submits samples."""
+
+    def __init__(self, inner, probe):
+        self.inner, self.probe, self.detokenize = inner, probe, inner.detokenize
+
+    def submit(self, items):
+        ids = self.inner.submit(items)
+        self.probe.submitted.set()
+        return ids
+
+    def results(self, ids, **kw):
+        return self.inner.results(ids, **kw)
+
+    def metrics(self):
+        return self.inner.metrics()
+
+
+@pytest.mark.timeout(180)
+def test_rewards_overlap_generation(tmp_path):
+    """A reward of an early chunk starts, a decode step runs, then the reward ends.
+
+    Order of events, forced by a handshake: the first decode step after the first submission
+    waits for a reward to start; that reward waits for the decode step. If rewards ran only after
+    generation (or blocked it), one side would wait forever (here: TimeoutError, a failure).
+    There is always a decode step after the first submission: chunk 3 is dispatched only after
+    chunk 1 is handed off (4 chunks here).
+    """
+    probe = _Probe(str(tmp_path), wait_s=30)
+    meta = {"dir": str(tmp_path), "wait_s": 30}
+    with pool_lib.RewardPool(WAIT_FOR_DECODE, num_workers=2, timeout_s=100, detokenize=str) as p:
+        out = _run(
+            _SignallingPool(p, probe),
+            _ProbedModel(testing.CountingModel(vocab=V), probe),
+            metas=[meta] * 8,
+        )
+    assert out.reward_ok.all(), out.metrics
+    assert probe.events == ["decode step after a submission", "reward started", "decoded"]
+    assert out.metrics["rollout/num_chunks"] >= 3
+
+
+# ---------------------------------------------------------------- the tiny real model
+
+CFG = model.ModelConfig.tiny(vocab_size=V)
+TINY_BUCKETS = scheduling.LengthBuckets(prompt_buckets=(8,), generation_buckets=(4, 8, 16))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init(CFG, jax.random.key(0))
+
+
+def _run_tiny(params, reward_pool, *, key=0, temperature=1.0, group_sizes=(4, 3)):
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(2, V, 7)), list(rng.randint(2, V, 5))]
+    return rollout.generate_and_score(
+        CFG, params, prompts=prompts, prompt_texts=["a", "b"], metas=[{}, {}],
+        group_sizes=list(group_sizes), key=jax.random.key(key),
+        sampling=sampler.SamplingParams(
+            max_new_tokens=16, eos_id=1, pad_id=0, temperature=temperature
+        ),
+        buckets=TINY_BUCKETS, max_chunk_size=2, reward_pool=reward_pool,
+        # Budget 4: every row not done after 4 tokens is continued (to 8, then 16).
+        predictor=scheduling.LengthPredictor(default_length=2), prompt_ids=["a", "b"],
+    )  # fmt: skip
+
+
+def test_chunks_draw_independently_and_a_key_reproduces(params, reward_pool):
+    """G=4 samples of prompt 0 fill chunks (0, 1) and (2, 3): rows 0 and 2 sit at chunk row 0 in
+    two chunks. With one key for every chunk they would be identical (a fake zero-variance
+    group); with fold_in(key, chunk) all samples differ. The same key reproduces exactly."""
+    out = _run_tiny(params, reward_pool)
+    first = out.tokens[out.group_ids == 0]
+    assert len({tuple(row) for row in first}) == 4, first
+    again = _run_tiny(params, reward_pool)
+    for field in ("tokens", "lengths", "logps", "entropies", "rewards"):
+        np.testing.assert_array_equal(getattr(again, field), getattr(out, field))
+    np.testing.assert_array_equal(again.router.expert_ids, out.router.expert_ids)
+    other = _run_tiny(params, reward_pool, key=1)
+    assert not np.array_equal(other.tokens, out.tokens)
+
+
+def test_logps_and_entropies_equal_a_recompute_on_continued_rows(params, reward_pool):
+    """Per-token log-probs and entropies, prefix positions of continued rows included, equal a
+    full forward of the model over the returned prompt + completion:
+    logp_t = log_softmax(logits_{t-1} / T)[token_t], H_t = -sum_v p_v log p_v (full vocab)."""
+    temperature = 0.7
+    out = _run_tiny(params, reward_pool, temperature=temperature)
+    assert out.metrics["rollout/num_chunks"] > 4  # waves of continuations (budget 4, 8, 16)
+    continued = out.lengths > 4
+    assert continued.sum() >= 3
+    tokens, mask = out.training_inputs()
+    logits = model.forward(CFG, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+    Tp = out.prompt_tokens.shape[1]
+    logp = jax.nn.log_softmax(logits.logits[:, Tp - 1 : -1] / temperature, axis=-1)  # [N, Tg, V]
+    token_logp = np.take_along_axis(np.asarray(logp), out.tokens[..., None], -1)[..., 0]
+    entropy = -np.sum(np.exp(np.asarray(logp)) * np.asarray(logp), axis=-1)  # [N, Tg]
+    m = out.mask
+    np.testing.assert_allclose(out.logps[m], token_logp[m], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out.entropies[m], entropy[m], atol=1e-4, rtol=1e-4)
+    # Not degenerate: entropies are positive and far from the log-probs.
+    assert (out.entropies[m] > 0.5).all() and (out.logps[m] < -0.5).mean() > 0.5
+    assert (out.logps[~m] == 0).all() and (out.entropies[~m] == 0).all()
 
 
 def test_bad_arguments(reward_pool):
