@@ -143,7 +143,7 @@ def old_logps(
     """pi_old's log-probs and entropies: `token_logps` with the rollout's experts replayed
     (`RoutingMode.REPLAY_IDS`) and no gradient. A carried-over resample group (Group.age > 0)
     must keep the log-probs of the policy that sampled it instead (see espo.zero_variance)."""
-    out = token_logps(
+    return token_logps(
         model_cfg,
         jax.lax.stop_gradient(params),
         tokens,
@@ -153,7 +153,6 @@ def old_logps(
         temperature=temperature,
         **forward_options,
     )
-    return jax.tree.map(jax.lax.stop_gradient, out)
 
 
 def completion(values: Float[Array, "B T"], *, prompt_length: int) -> Float[Array, "B Tg"]:

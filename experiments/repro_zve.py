@@ -19,9 +19,14 @@ raw GRPO -> + pre-filter -> + adaptive G (`adaptive_group_sizes` on a `PassRateH
 from the offline table, decay 0.5, updated by one warm-up step over the kept prompts, and by
 every step after; the budget only caps sum(G) and a well-mixed prompt needs just G = 4, so a
 step may spend less) -> + reward shaping (same rollouts) -> the optimiser batch of each
-`fill_batch` mode. zero_adv: fraction of the optimiser's rollouts in ZVP groups (GRPO advantage
-0); zero_adv(A): fraction whose advantages, computed by `espo.advantages` (group_normalized, or
-rl_zvp with simulated entropies for mode rl_zvp), are all 0. Reductions are relative to raw GRPO;
+`fill_batch` mode. ZVP is judged on the VERIFIER rewards (issue 7's rule, shared by
+`zero_variance` and `advantages.compute`), so shaping no longer lowers it; `ties` is the old
+verdict (no spread in the final, shaped rewards). zero_adv: fraction of the optimiser's
+rollouts in ZVP groups (verifier advantage 0); zero_adv(A): fraction whose advantages from
+`advantages.compute` (flat ragged rows; verifier rewards + centred shaping; RL-ZVP with
+simulated entropies in mode rl_zvp) are all 0. |A| zvp: mean |A| (max over tokens) of the
+rollouts of ZVP groups; old rule: the same rollouts under GRPO on the shaped rewards (the
+full-size advantages shaping noise used to get). Reductions are relative to raw GRPO;
 rollouts = generated per step (refills included), info/roll = informative groups per rollout,
 roll/info its inverse, fill = optimiser batch / batch size.
 """
@@ -47,8 +52,8 @@ MEDIAN_CORRECT, MEDIAN_WRONG, LENGTH_SIGMA = 7000.0, 11000.0, 0.5  # lognormal r
 GROUP_SIZES = (2, 4, 8, 16, 32)
 MODES = ("resample", "rl_zvp", "drop")
 ENTROPY_TOKENS = 16  # tokens of simulated detached entropy per rollout (RL-ZVP's H_{i,t})
-# Jitted once per [P, G] shape; P is padded to a power of two so the shapes repeat.
-_grpo, _rl_zvp = jax.jit(advantages.group_normalized), jax.jit(advantages.rl_zvp)
+_compute = advantages.compute_jit  # jitted once per padded (rows, groups, config)
+_old_rule = jax.jit(advantages.normalize, static_argnames="num_groups")
 
 
 def offline_pass_rates(rng: np.random.Generator, num_prompts: int) -> np.ndarray:
@@ -98,48 +103,61 @@ def cycle(rng: np.random.Generator, items: Sequence[int]) -> Iterator[int]:
         yield from (items[i] for i in rng.permutation(len(items)))
 
 
-def rewards_of(group: zero_variance.Group, *, shaped: bool) -> np.ndarray:
-    return group.rewards if shaped else group.raw_rewards
+def pow2(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
 
 
-def zero_advantage_fraction(rng, groups, *, shaped: bool, use_rl_zvp: bool) -> float:
-    """Fraction of rollouts whose token advantages (espo.advantages) are all 0: those of ZVP
-    groups under GRPO, and, once shaping makes rewards non-binary, rollouts scoring exactly
-    their group's mean (e.g. the 0s of [1, 0, 0, -1])."""
-    zero = total = 0
-    for size in sorted({g.group_size for g in groups}):
-        rows = [rewards_of(g, shaped=shaped) for g in groups if g.group_size == size]
-        rewards = np.zeros((max(256, 1 << (len(rows) - 1).bit_length()), size), np.float32)
-        rewards[: len(rows)] = rows  # [P, G]; the zero rows are padding, cut below
-        if use_rl_zvp:
-            entropies = rng.gamma(2.0, 0.5, (*rewards.shape, ENTROPY_TOKENS))  # [P, G, T]
-            adv = _rl_zvp(rewards, entropies, np.ones_like(entropies)).advantages
-        else:
-            adv = _grpo(rewards)[..., None]  # [P, G, 1]
-        zero += int((np.abs(np.asarray(adv[: len(rows)])).max(-1) <= 1e-6).sum())
-        total += len(rows) * size
-    return zero / max(total, 1)
+def advantage_rows(rng, groups, *, shaped: bool, use_rl_zvp: bool):
+    """Per rollout, float64 [R] each: |A| under the rule (`espo.advantages.compute` on the flat,
+    ragged rows: verifier rewards + centred shaping, RL-ZVP with simulated entropies; the max
+    over tokens), |A| under the old rule (GRPO on the final, shaped rewards), and whether its
+    group is zero-variance on the verifier. Rows and groups are padded to powers of two (ids out
+    of range are padding), so the jitted compute sees few shapes."""
+    sizes = np.array([g.group_size for g in groups], np.int64)
+    n, num_groups = int(sizes.sum()), pow2(max(len(groups), 64))
+    rows = pow2(max(n, 256))
+    ids = np.full(rows, num_groups, np.int32)  # [R] padding rows
+    ids[:n] = np.repeat(np.arange(len(groups)), sizes)
+    verifier, final = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    if groups:
+        verifier[:n] = np.concatenate([g.verifier_rewards for g in groups])
+        final[:n] = np.concatenate([g.rewards if shaped else g.verifier_rewards for g in groups])
+    cfg = advantages.AdvantageConfig(rl_zvp=use_rl_zvp)
+    kw = dict(group_ids=ids, num_groups=num_groups, cfg=cfg, shaping=final - verifier)
+    if use_rl_zvp:
+        entropies = rng.gamma(2.0, 0.5, (rows, ENTROPY_TOKENS)).astype(np.float32)  # [R, T]
+        kw.update(entropies=entropies, mask=np.ones_like(entropies, bool))
+    adv = np.abs(np.asarray(_compute(verifier, **kw).advantages))  # [R] or [R, T]
+    adv = adv.max(-1) if adv.ndim == 2 else adv
+    old = np.abs(np.asarray(_old_rule(final, group_ids=ids, num_groups=num_groups)))  # [R]
+    zvp = np.repeat([not zero_variance.is_informative(g) for g in groups], sizes)
+    return adv[:n].astype(np.float64), old[:n].astype(np.float64), zvp.astype(bool)
 
 
 def summarize(rng, groups, *, shaped, num_steps, batch_size, batch=None, use_rl_zvp=False):
-    """A Table 2 row: generated groups give cost and gain, the optimiser batch gives the rest;
-    ZVP is judged on the shaped rewards when `shaped`, else on the raw ones."""
-    zvp_of = lambda g: zero_variance.is_zero_variance(rewards_of(g, shaped=shaped))
+    """A Table 2 row: generated groups give cost and gain, the optimiser batch gives the rest.
+    ZVP is judged on the verifier rewards (the rule); `ties` is the old verdict, no spread in
+    the final rewards (shaped when `shaped`), i.e. what shaping looked like it fixed."""
+    zvp_of = lambda g: not zero_variance.is_informative(g)
+    tied = lambda g: zero_variance.is_zero_variance(g.rewards if shaped else g.verifier_rewards)
     batch = groups if batch is None else batch
     rollouts = sum(g.group_size for g in groups)
     informative = sum(not zvp_of(g) for g in groups)
     batch_zvp = [zvp_of(g) for g in batch]
     zvp_rollouts = sum(g.group_size for g, z in zip(batch, batch_zvp, strict=True) if z)
+    adv, old, zvp_rows = advantage_rows(rng, batch, shaped=shaped, use_rl_zvp=use_rl_zvp)
+    mean_on = lambda x, m: float(x[m].mean()) if m.any() else 0.0
     return {
         "zvp_rate": float(np.mean(batch_zvp)) if batch else 0.0,
+        "tie_rate": float(np.mean([tied(g) for g in batch])) if batch else 0.0,
         "num_zvp_in_batch": int(sum(batch_zvp)),
         "rollouts_per_step": rollouts / num_steps,
         "informative_per_rollout": informative / max(rollouts, 1),
         "rollouts_per_informative": rollouts / max(informative, 1),
         "zero_adv_fraction": zvp_rollouts / max(sum(g.group_size for g in batch), 1),
-        "zero_adv_fraction_actual": zero_advantage_fraction(
-            rng, batch, shaped=shaped, use_rl_zvp=use_rl_zvp
-        ),
+        "zero_adv_fraction_actual": float((adv <= 1e-6).mean()) if adv.size else 0.0,
+        "zvp_abs_adv": mean_on(adv, zvp_rows),  # mean |A| on verifier-ZVP rollouts
+        "zvp_abs_adv_old_rule": mean_on(old, zvp_rows),  # the same under the old rule
         "batch_fill": len(batch) / (batch_size * num_steps),
     }
 
@@ -305,7 +323,7 @@ def format_tables(result: dict) -> str:
             f"{h:>11}"
             for h in ("ZVP", "vs GRPO", "rollouts", "info/roll", "roll/info", "zero_adv")
         )
-        + f"{'zero_adv(A)':>12}{'fill':>7}",
+        + f"{'zero_adv(A)':>12}{'fill':>7}{'ties':>8}{'|A| zvp':>9}{'old rule':>9}",
     ]  # fmt: skip
     for name, r in result["stages"].items():
         lines.append(
@@ -313,17 +331,22 @@ def format_tables(result: dict) -> str:
             f"{r['rollouts_per_step']:11.0f}"
             f"{r['informative_per_rollout']:11.4f}{r['rollouts_per_informative']:11.2f}"
             f"{r['zero_adv_fraction']:11.4f}{r['zero_adv_fraction_actual']:12.4f}"
-            f"{r['batch_fill']:7.2f}"
+            f"{r['batch_fill']:7.2f}{r['tie_rate']:8.4f}{r['zvp_abs_adv']:9.4f}"
+            f"{r['zvp_abs_adv_old_rule']:9.4f}"
         )
     s, st = result["shaping"], result["stages"]
     before, after = st["raw GRPO"]["zvp_rate"], st["+ reward shaping"]["zvp_rate"]
+    shaped = st["+ reward shaping"]
     lines += [
         f"reward shaping: ties broken in {s['ties_broken']:.1%} of groups, created in "
-        f"{s['ties_created']:.1%} (a correct answer is never penalised by a full point)",
-        f"ZVP rate of generated groups, raw GRPO -> after the rollout and reward stages: "
-        f"{before:.4f} -> {after:.4f} "
+        f"{s['ties_created']:.1%} (a correct answer is never penalised by a full point); the "
+        f"optimiser still judges ZVP on the verifier: shaping gives those rollouts mean |A| "
+        f"{shaped['zvp_abs_adv']:.4f} (old rule, GRPO on shaped rewards: "
+        f"{shaped['zvp_abs_adv_old_rule']:.4f})",
+        f"ZVP rate (verifier) of generated groups, raw GRPO -> after the rollout and reward "
+        f"stages: {before:.4f} -> {after:.4f} "
         f"({before - after:.4f} absolute, {(before - after) / before:.1%} relative; "
-        "paper: 17%, unit unknown)",
+        f"ties left in the shaped rewards: {shaped['tie_rate']:.4f}; paper: 17%, unit unknown)",
     ]
     return "\n".join(lines)
 
