@@ -113,7 +113,7 @@ class Rollout:
     entropies: Float[Array, "N Tg"]
     router: RouterTrace  # [N, L, Tp + Tg, K]
     group_ids: Int[Array, " N"]
-    rewards: Float[Array, " N"]
+    rewards: Float[Array, " N"]  # the verifier's reward, before shaping (espo.advantages rules)
     reward_ok: Bool[Array, " N"]  # False where the reward function failed (timeout, crash...)
     prompts: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
     completions: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
