@@ -1,16 +1,21 @@
 """Rollout benchmark: one table from one run on the same weights.
 
   python experiments/bench_rollout.py [--batch 64] [--new_tokens 128] [--quick]
+      [--only throughput,fp8,waste,detok,overlap]
 
 Rows:
   1. decode throughput: espo (f32, bf16, fp8 weights) vs Hugging Face transformers `generate`
      (torch CPU) on the same tiny Qwen3-MoE checkpoint, batch B, fixed-length completions;
   2. FP8 train-infer mismatch: mean |dlogp| of FP8 sampling vs the bf16 forward on the same
      tokens, greedy-token agreement and router-id disagreement;
-  3. padding waste, FIFO vs length-aware, on a heavy-tailed (lognormal) length workload;
-  4. overlap: wall time of generate_and_score with a slow reward vs generation-only and
+  3. padding waste, FIFO vs length-aware, on a heavy-tailed (lognormal) length workload: decode
+     slots, plus the re-prefill of continued rows (each re-prefill position counted as one
+     slot-step), and decode slots alone;
+  4. detokenization: host time per rollout step (`rollout/host_handoff_s`) and step time with
+     a pure-Python byte-level decoder run serially on the host vs in the reward workers;
+  5. overlap: wall time of generate_and_score with a slow reward vs generation-only and
      reward-only time (efficiency = max(gen, reward) / wall; 1.0 is perfect overlap);
-  5. on a GPU only: FP8 vs bf16 decode throughput on a memory-bound >= 1B-parameter config and
+  6. on a GPU only: FP8 vs bf16 decode throughput on a memory-bound >= 1B-parameter config and
      the achieved weight-read bandwidth against the card's peak.
 """
 
@@ -112,30 +117,103 @@ def fp8_mismatch(cfg, params, prompts, *, new_tokens):
     }
 
 
-def padding_waste(*, num_prompts, group_size, max_new_tokens, seed=0):
-    """FIFO vs length-aware on lognormal lengths, through the real sampler and rollout loop."""
+class ByteLevelDecoder:
+    """A pure-Python byte-level BPE decode, as slow tokenizers do it: each id maps to a string
+    of byte symbols (1-6 per token), joined, then mapped symbol by symbol back to bytes and
+    UTF-8 decoded. Picklable, so reward workers can run it."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        rng = np.random.RandomState(seed)
+        symbols = [chr(0x100 + b) for b in range(256)]  # GPT-2's bytes_to_unicode idea
+        self.table = [
+            "".join(symbols[b] for b in rng.randint(32, 127, rng.randint(1, 7)))
+            for _ in range(vocab_size)
+        ]
+        self.byte_of = {c: b for b, c in enumerate(symbols)}
+
+    def __call__(self, tokens) -> str:
+        text = "".join(self.table[t] for t in tokens)
+        return bytearray(self.byte_of[c] for c in text).decode("utf-8", errors="replace")
+
+
+def _lognormal_workload(*, num_prompts, group_size, max_new_tokens, seed=0, step=0):
+    """(fake model, prompt rows, prompt ids, buckets, sampling) for one rollout step.
+
+    Prompt p has a typical length lognormal(median max_new_tokens / 12, sigma 1); each of its
+    G samples, redrawn every step, is that times lognormal(0, 0.25). CountingModel generates
+    exactly n tokens after a prompt ending in vocab - 1 - n, so every sample is its own prompt
+    row (group size 1) and the G rows of prompt p share the id "prompt-p": the predictor sees
+    what it would see from a real policy, a per-prompt length with spread across samples and
+    steps.
+    """
     vocab = max_new_tokens + 64
-    rng = np.random.RandomState(seed)
-    lengths = np.clip(rng.lognormal(np.log(max_new_tokens / 12), 1.0, num_prompts), 1, vocab - 2)
-    prompts = [[1, int(vocab - 1 - n)] for n in lengths.astype(int)]  # CountingModel: length n
-    fake = testing.CountingModel(vocab=vocab)
+    typical = np.random.RandomState(seed).lognormal(np.log(max_new_tokens / 12), 1.0, num_prompts)
+    spread = np.random.RandomState([seed, step + 1]).lognormal(0.0, 0.25, (num_prompts, group_size))
+    lengths = np.clip(typical[:, None] * spread, 1, vocab - 2).astype(int).ravel()
+    prompts = [[1, int(vocab - 1 - n)] for n in lengths]
+    ids = [f"prompt-{p}" for p in range(num_prompts) for _ in range(group_size)]
     gens = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b < max_new_tokens)
     buckets = scheduling.LengthBuckets(
         prompt_buckets=(8,), generation_buckets=(*gens, max_new_tokens)
     )
     sampling = sampler.SamplingParams(max_new_tokens=max_new_tokens, eos_id=vocab - 1, pad_id=0)
-    predictor = scheduling.LengthPredictor(default_length=max_new_tokens / 4)
+    return testing.CountingModel(vocab=vocab), prompts, ids, buckets, sampling
+
+
+def _run_step(pool, workload, **kw):
+    fake, prompts, ids, buckets, sampling = workload
+    n = len(prompts)
+    return rollout.generate_and_score(
+        fake, None, prompts=prompts, prompt_texts=["p"] * n, metas=[{}] * n, group_sizes=1,
+        key=jax.random.key(0), sampling=sampling, buckets=buckets, max_chunk_size=16,
+        reward_pool=pool, prompt_ids=ids, **kw,
+    ).metrics  # fmt: skip
+
+
+def padding_waste(*, num_prompts, group_size, max_new_tokens, seed=0):
+    """FIFO vs length-aware (budget at the mean / max EMA) on the second of two steps of the
+    lognormal workload, through the real sampler and rollout loop."""
+    steps = [
+        _lognormal_workload(
+            num_prompts=num_prompts,
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            step=k,
+        )  # fmt: skip
+        for k in range(2)
+    ]
     out = {}
     with pool_lib.RewardPool(testing.length_reward, num_workers=1, timeout_s=60) as pool:
-        run = functools.partial(
-            rollout.generate_and_score, fake, None, prompts=prompts,
-            prompt_texts=["p"] * num_prompts, metas=[{}] * num_prompts, group_sizes=group_size,
-            key=jax.random.key(0), sampling=sampling, buckets=buckets, max_chunk_size=16,
-            reward_pool=pool, detokenize=lambda t: "",
-        )  # fmt: skip
-        out["fifo"] = run(schedule="fifo").metrics
-        run(predictor=predictor)  # one step of length history
-        out["length_aware"] = run(predictor=predictor).metrics
+        run = functools.partial(_run_step, pool, detokenize=lambda t: "")
+        out["fifo"] = run(steps[1], schedule="fifo")
+        for statistic in ("mean", "max"):
+            predictor = scheduling.LengthPredictor(
+                default_length=max_new_tokens / 4, budget_statistic=statistic
+            )
+            run(steps[0], predictor=predictor)  # one step of length history
+            out[f"length_aware_{statistic}"] = run(steps[1], predictor=predictor)
+    return out
+
+
+def detokenization(*, num_prompts, group_size, max_new_tokens, decoder, repeats=3):
+    """Host time per step and step time: detokenizing on the host vs in 2 reward workers."""
+    workload = _lognormal_workload(
+        num_prompts=num_prompts, group_size=group_size, max_new_tokens=max_new_tokens
+    )
+    out = {}
+    for where in ("host", "workers"):
+        kw = {"detokenize": decoder} if where == "host" else {}
+        with pool_lib.RewardPool(
+            testing.length_reward, num_workers=2, timeout_s=60,
+            detokenize=None if where == "host" else decoder,
+        ) as pool:  # fmt: skip
+            _run_step(pool, workload, schedule="fifo", **kw)  # compile, start workers
+            steps = [_run_step(pool, workload, schedule="fifo", **kw) for _ in range(repeats)]
+        out[where] = {
+            k: float(np.median([m[f"rollout/{k}"] for m in steps]))
+            for k in ("host_handoff_s", "total_s", "generate_s", "reward_wait_s")
+        }
     return out
 
 
@@ -220,49 +298,72 @@ def throughput_rows(variant, *, batch, new_tokens):
     return rows, cfg, params
 
 
+SECTIONS = ("throughput", "fp8", "waste", "detok", "overlap", "gpu")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new_tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (for tests)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections among {SECTIONS}")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    if not only <= set(SECTIONS):
+        ap.error(f"--only={args.only!r}: sections must be among {SECTIONS}")
     B, T = (8, 16) if args.quick else (args.batch, args.new_tokens)
-    rows, cfg, params = throughput_rows("tiny", batch=B, new_tokens=T)
-    if not args.quick:
-        rows += throughput_rows("", batch=B, new_tokens=T)[0]
-    prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (B, 32))
-    mm = fp8_mismatch(cfg, params, prompts, new_tokens=T)
-    rows.append(
-        ("fp8 vs bf16: mean |dlogp| on fp8-sampled tokens", f"{mm['mean_abs_dlogp']:.4f}", "")
-    )
-    rows.append(("fp8 vs bf16: greedy-token agreement", f"{mm['greedy_agreement']:.4f}", ""))
-    rows.append(("fp8 vs bf16: router-id disagreement", f"{mm['router_disagreement']:.4f}", ""))
-    rows.append(
-        (
-            "fp8 weight bytes / bf16 bytes (matmul weights)",
-            f"{mm['weight_bytes_ratio']:.3f}",
-            "",
-        )
-    )
-    pw = padding_waste(
-        num_prompts=16 if args.quick else 64, group_size=4,
-        max_new_tokens=128 if args.quick else 1024,
-    )  # fmt: skip
-    fifo, aware = (
-        pw["fifo"]["rollout/padding_waste"],
-        pw["length_aware"]["rollout/padding_waste"],
-    )
-    rows.append(("padding waste, FIFO (lognormal lengths)", f"{fifo:.3f}", ""))
-    rows.append(("padding waste, length-aware", f"{aware:.3f}", f"{aware / fifo:.2f}x FIFO"))
-    ov = overlap(
-        cfg, params, num_prompts=4 if args.quick else 16, group_size=4, new_tokens=T,
-        sleep_s=0.02 if args.quick else 0.1,
-    )  # fmt: skip
-    rows.append(("overlap: generation only / reward only (s)",
-                 f"{ov['generate_s']:.2f} / {ov['reward_s']:.2f}", ""))  # fmt: skip
-    rows.append(("overlap: wall with both (s)", f"{ov['wall_s']:.2f}",
-                 f"efficiency {ov['efficiency']:.2f} of ideal max(gen, reward)"))  # fmt: skip
-    if jax.default_backend() == "gpu":
+    rows = []
+    if "throughput" in only:
+        rows += throughput_rows("tiny", batch=B, new_tokens=T)[0]
+        if not args.quick:
+            rows += throughput_rows("", batch=B, new_tokens=T)[0]
+    if only & {"fp8", "overlap"}:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = _hf_checkpoint_like(tmp, _config_model("tiny"))
+            cfg, params = model.load_hf_checkpoint(path)
+    if "fp8" in only:
+        prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (B, 32))
+        mm = fp8_mismatch(cfg, params, prompts, new_tokens=T)
+        rows += [
+            ("fp8 vs bf16: mean |dlogp| on fp8-sampled tokens", f"{mm['mean_abs_dlogp']:.4f}", ""),
+            ("fp8 vs bf16: greedy-token agreement", f"{mm['greedy_agreement']:.4f}", ""),
+            ("fp8 vs bf16: router-id disagreement", f"{mm['router_disagreement']:.4f}", ""),
+            ("fp8 weight bytes / bf16 bytes (matmul weights)",
+             f"{mm['weight_bytes_ratio']:.3f}", ""),
+        ]  # fmt: skip
+    if "waste" in only:
+        pw = padding_waste(
+            num_prompts=16 if args.quick else 64, group_size=4,
+            max_new_tokens=128 if args.quick else 1024,
+        )  # fmt: skip
+        for key, label in (("padding_waste", "+ re-prefill"), ("decode_padding_waste", "decode")):
+            fifo = pw["fifo"][f"rollout/{key}"]
+            rows.append((f"padding waste ({label}), FIFO (lognormal lengths)", f"{fifo:.3f}", ""))
+            for statistic in ("mean", "max"):
+                aware = pw[f"length_aware_{statistic}"][f"rollout/{key}"]
+                rows.append((f"padding waste ({label}), length-aware, budget {statistic}",
+                             f"{aware:.3f}", f"{aware / fifo:.2f}x FIFO"))  # fmt: skip
+    if "detok" in only:
+        new_tokens = 128 if args.quick else 1024
+        dt = detokenization(
+            num_prompts=16 if args.quick else 64, group_size=4, max_new_tokens=new_tokens,
+            decoder=ByteLevelDecoder(new_tokens + 64),  # the workload's vocabulary
+        )  # fmt: skip
+        host, workers = dt["host"], dt["workers"]
+        for k in ("host_handoff_s", "total_s"):
+            rows.append((f"detokenize on host / in workers: rollout/{k}",
+                         f"{host[k]:.3f} / {workers[k]:.3f}",
+                         f"{host[k] / workers[k]:.2f}x"))  # fmt: skip
+    if "overlap" in only:
+        ov = overlap(
+            cfg, params, num_prompts=4 if args.quick else 16, group_size=4, new_tokens=T,
+            sleep_s=0.02 if args.quick else 0.1,
+        )  # fmt: skip
+        rows.append(("overlap: generation only / reward only (s)",
+                     f"{ov['generate_s']:.2f} / {ov['reward_s']:.2f}", ""))  # fmt: skip
+        rows.append(("overlap: wall with both (s)", f"{ov['wall_s']:.2f}",
+                     f"efficiency {ov['efficiency']:.2f} of ideal max(gen, reward)"))  # fmt: skip
+    if "gpu" in only and jax.default_backend() == "gpu":
         kind = jax.devices()[0].device_kind
         big = model.ModelConfig(
             vocab_size=32000, d_model=2048, num_layers=12, num_heads=16, num_kv_heads=4,
@@ -277,7 +378,7 @@ def main():
             rows.append((f"GPU {kind} decode {name} (1.2B MoE, B=8)", f"{tps:,.0f}", note))
         ratio = bw["fp8"]["tokens_per_s"] / bw["bf16"]["tokens_per_s"]
         rows.append(("GPU fp8 / bf16 decode throughput", f"{ratio:.2f}x", ""))
-    width = max(len(r[0]) for r in rows)
+    width = max((len(r[0]) for r in rows), default=0)
     print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>12}  {note}")

@@ -29,8 +29,28 @@ def test_gpu_bandwidth_path_runs_on_a_tiny_config(bench):
 
 def test_padding_waste_section_length_aware_beats_fifo(bench):
     pw = bench.padding_waste(num_prompts=16, group_size=2, max_new_tokens=128)
-    aware = pw["length_aware"]["rollout/padding_waste"]
-    assert aware < pw["fifo"]["rollout/padding_waste"]
+    fifo = pw["fifo"]
+    assert fifo["rollout/reprefill_positions"] == 0  # FIFO budgets max_new_tokens
+    for statistic in ("mean", "max"):
+        aware = pw[f"length_aware_{statistic}"]
+        assert aware["rollout/decode_padding_waste"] < fifo["rollout/decode_padding_waste"]
+        # Counting its re-prefill, length-aware can lose on this small workload (0.671 vs
+        # FIFO's 0.668 at budget mean): the script reports it, the test only checks the parts.
+        assert aware["rollout/decode_padding_waste"] <= aware["rollout/padding_waste"]
+        assert aware["rollout/useful_tokens"] == fifo["rollout/useful_tokens"]
+    assert pw["length_aware_mean"]["rollout/reprefill_positions"] > 0  # it continued rows
+
+
+def test_detokenization_section_and_the_byte_level_decoder(bench):
+    decoder = bench.ByteLevelDecoder(50)
+    assert decoder([3, 4]) == decoder([3]) + decoder([4]) and decoder([]) == ""
+    assert all(1 <= len(decoder([t])) <= 6 for t in range(50))
+    # In the test, workers cannot import this file's decoder (not a module): `str` stands in.
+    dt = bench.detokenization(
+        num_prompts=4, group_size=2, max_new_tokens=32, decoder=str, repeats=1
+    )
+    for where in ("host", "workers"):
+        assert dt[where]["total_s"] >= dt[where]["host_handoff_s"] > 0
 
 
 def test_fp8_mismatch_section(bench):
