@@ -210,6 +210,9 @@ def detokenization(*, num_prompts, group_size, max_new_tokens, decoder, repeats=
         ) as pool:  # fmt: skip
             _run_step(pool, workload, schedule="fifo", **kw)  # compile, start workers
             steps = [_run_step(pool, workload, schedule="fifo", **kw) for _ in range(repeats)]
+        failed = sum(m["reward/num_ok"] != len(workload[1]) for m in steps)
+        if failed:  # e.g. workers that cannot unpickle the decoder: the timing would be void
+            raise RuntimeError(f"detokenize in {where}: {failed} steps had failed rewards")
         out[where] = {
             k: float(np.median([m[f"rollout/{k}"] for m in steps]))
             for k in ("host_handoff_s", "total_s", "generate_s", "reward_wait_s")
