@@ -107,18 +107,18 @@ def test_router_losses_balanced_router_scores_top_k():
 
 
 def test_router_losses_hand_example_with_padding():
-    # E=2, K=1. Real tokens: logits [0, 0] (p = [1/2, 1/2]) routed to 0, and [0, 0] routed to 1;
-    # the padded third token holds extreme logits. Over the n=2 real tokens:
-    #   f = [1/2, 1/2], P = [1/2, 1/2]  ->  lb = E * sum_e f_e P_e = 2 * (1/4 + 1/4) = 1.0
+    # E=2, K=1. Real tokens: logits [0, 0] (p = [1/2, 1/2]), both routed to expert 0; the padded
+    # third token holds extreme logits [1e9, -1e9] (p = [1, 0]) and id 1. Over the n=2 real tokens:
+    #   f = [1, 0], P = [1/2, 1/2]  ->  lb = E * sum_e f_e P_e = 2 * (1 * 1/2) = 1.0
     #   z = mean lse^2 = ln(2)^2 = 0.48045
-    # (P averaged over all M=3 tokens with padding zeroed would give lb = 2 * 2 * (1/2)(1/3) =
-    # 0.667; with the padded probabilities included, p_pad = [1, 0]: NaN or lb = 1.33.)
+    # Wrong answers: P over all M=3 tokens, padding included: P = [2/3, 1/3] -> lb = 1.333;
+    # padding zeroed but divided by M: P = [1/3, 1/3] -> lb = 0.667.
     logits = jnp.array([[0.0, 0.0], [0.0, 0.0], [1e9, -1e9]])
-    ids = jnp.array([[0], [1], [0]], jnp.int32)
+    ids = jnp.array([[0], [0], [1]], jnp.int32)
     lb, z, load = moe.router_losses(logits, ids, jnp.array([1.0, 1.0, 0.0]))
     np.testing.assert_allclose(lb, 1.0, rtol=1e-6)
     np.testing.assert_allclose(z, np.log(2.0) ** 2, rtol=1e-6)
-    np.testing.assert_allclose(load, [0.5, 0.5])
+    np.testing.assert_allclose(load, [1.0, 0.0])
 
 
 @hypothesis.given(
