@@ -40,7 +40,9 @@ class RoutingMode(enum.Enum):
     FREE: the router's own top-k.
     REPLAY_IDS: the experts given in `routing.expert_ids`; gate weights are recomputed with the
       model's own gating (softmax over all experts, gathered at the given ids, renormalised when
-      the model renormalises), so the router keeps its gradient. Ids of -1 get zero weight.
+      the model renormalises), so the router keeps its gradient. Ids of -1 get zero weight;
+      on a real (unmasked) token in a MoE layer they are an error, or route freely, as
+      `forward(..., replay_missing=)` says: never silently.
     REPLAY_IDS_AND_WEIGHTS: ids and gate weights exactly as given; no gradient reaches the router
       through the gates.
     """
