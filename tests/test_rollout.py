@@ -85,6 +85,12 @@ def test_exact_rollout_continuations_rewards_and_trace(reward_pool):
     tokens, mask = out.training_inputs()
     np.testing.assert_array_equal(out.router.expert_ids[:, 0, :, 0], np.where(mask, tokens % 3, -1))
     np.testing.assert_allclose(out.logps[out.mask], 0.0, atol=1e-6)
+    # Metrics: the prompts ending in 20 and 10 run past max_new_tokens (43 and 53 > 40).
+    truncated = [63 - lasts[p] > 40 for p in out.group_ids]
+    assert out.metrics["rollout/truncated_fraction"] == pytest.approx(np.mean(truncated))
+    assert out.metrics["rollout/useful_tokens"] == out.lengths.sum()
+    assert out.metrics["rollout/mean_length"] == pytest.approx(out.lengths.mean())
+    assert out.metrics["reward/num_ok"] == len(out.lengths) and out.metrics["reward/retries"] == 0
     # The predictor learnt each prompt's length under its id.
     np.testing.assert_allclose(
         short.predict([scheduling.Request(prompt_id=i, sample_index=0, prompt_length=1)
@@ -105,6 +111,29 @@ def test_host_detokenization_gives_the_same_rollout(reward_pool):
         pytest.raises(ValueError, match="detokenize=None needs a reward pool"),
     ):
         _run(plain, fake)
+
+
+# Raises for prompts whose meta asks for it.
+FAILING = FromSource(
+    """
+def reward(prompt, completion, meta):
+    if meta.get("fail"):
+        raise ValueError("no answer found")
+    return len(completion) / 10
+"""
+)
+
+
+def test_failed_rewards_are_flagged_and_counted():
+    fake = testing.CountingModel(vocab=V)
+    metas = [{"fail": p in (1, 4)} for p in range(8)]
+    with pool_lib.RewardPool(FAILING, num_workers=2, detokenize=str, failed_reward=-3.0) as p:
+        out = _run(p, fake, metas=metas)
+    bad = np.isin(out.group_ids, [1, 4])
+    np.testing.assert_array_equal(out.reward_ok, ~bad)
+    assert (out.rewards[bad] == -3.0).all() and (out.rewards[~bad] > 0).all()
+    assert out.metrics["reward/num_error"] == bad.sum() == 2
+    assert all(c.startswith("[") for c in out.completions)  # scored text kept for failed ones
 
 
 def test_fifo_and_length_aware_agree_and_waste_less(reward_pool):

@@ -125,6 +125,8 @@ def test_fallback_for_unseen_prompts():
     # Prompt lengths 8..15 share the log2 bin; difficulty quartiles split it further.
     got = predictor.predict([unseen(9, 0.95), unseen(9, 0.3), unseen(9), unseen(500)])
     np.testing.assert_allclose(got, [200.0, 125.0, 125.0, (200 + 50 + 1000) / 3])
+    # Difficulty 1 (never solved) is in the top quartile [0.75, 1], with 0.9.
+    assert predictor.predict([unseen(9, 1.0)])[0] == 200.0
     assert predictor.predict([hard])[0] == 200.0  # a seen prompt uses its own history
     strict = scheduling.LengthPredictor(**{**kw, "min_cell_count": 2})
     strict.observe_requests([hard, easy], [200, 50])
@@ -240,6 +242,16 @@ def test_continuation_plan_by_hand():
         (128, 1024, 1000),
         (64, 256, 256),
     ]
+    # Cost = batch x (prompt bucket + steps), steps from the least advanced row to the target:
+    # rows at 128 and 200 continue to 256 together, 256 - 128 = 128 steps: 2 * (64 + 128).
+    two = scheduling.continuation_plan(
+        [
+            scheduling.Unfinished(index=1, prompt_length=10, num_generated=128),
+            scheduling.Unfinished(index=2, prompt_length=10, num_generated=200),
+        ],
+        **{**kw, "max_chunk_size": 2},
+    )
+    assert [(c.request_indices, c.budget, c.cost) for c in two] == [((2, 1), 256, 2 * 192)]
     with pytest.raises(ValueError, match="num_generated"):  # at max_new_tokens it is truncated
         scheduling.continuation_plan(
             [scheduling.Unfinished(index=0, prompt_length=1, num_generated=1000)], **kw
