@@ -27,7 +27,7 @@ def test_gpu_bandwidth_path_runs_on_a_tiny_config(bench):
         assert out[name]["tokens_per_s"] > 0 and out[name]["GB_per_s"] > 0
 
 
-def test_padding_waste_section_length_aware_beats_fifo(bench):
+def test_padding_waste_section_decode_slots_beat_fifo(bench):
     pw = bench.padding_waste(num_prompts=16, group_size=2, max_new_tokens=128)
     fifo = pw["fifo"]
     assert fifo["rollout/reprefill_positions"] == 0  # FIFO budgets max_new_tokens
