@@ -206,3 +206,17 @@ class UnloadableReward:
 
     def __reduce__(self):
         return (os._exit, (5,))
+
+
+class FromSource:
+    """A reward fn a spawned worker builds by executing `source` (which defines `reward`).
+
+    The tests run with --import-mode=importlib, so functions defined in a test module cannot be
+    unpickled in a spawned worker; `eval` is a builtin, so this pickles to (eval, source).
+    """
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def __reduce__(self):
+        return (eval, (f"(lambda ns: (exec({self.source!r}, ns), ns['reward'])[1])({{}})",))

@@ -24,20 +24,6 @@ SIZES = [2, 1, 3, 2, 1, 2, 2, 1]
 IDS = [f"q{i}" for i in range(8)]
 
 
-class FromSource:
-    """A reward function each worker builds by executing `source` (which defines `reward`).
-
-    The tests run with --import-mode=importlib, so functions defined in a test module cannot be
-    unpickled in a spawned worker; `eval` is a builtin, so this pickles to (eval, source).
-    """
-
-    def __init__(self, source: str):
-        self.source = source
-
-    def __reduce__(self):
-        return (eval, (f"(lambda ns: (exec({self.source!r}, ns), ns['reward'])[1])({{}})",))
-
-
 def _prompts():
     # Last token t -> the completion counts t+1 .. 63 (EOS): length 63 - t, capped at 40.
     rng = np.random.RandomState(0)
@@ -114,7 +100,7 @@ def test_host_detokenization_gives_the_same_rollout(reward_pool):
 
 
 # Raises for prompts whose meta asks for it.
-FAILING = FromSource(
+FAILING = testing.FromSource(
     """
 def reward(prompt, completion, meta):
     if meta.get("fail"):
@@ -191,7 +177,7 @@ def test_a_predictor_needs_stable_prompt_ids(reward_pool):
 # The first sample to start creates <dir>/reward_started and returns only once <dir>/decoded
 # exists, which the model writes from a decode step that sees reward_started: the reward
 # finishes only if a decode step runs while it does (else TimeoutError -> reward_ok False).
-WAIT_FOR_DECODE = FromSource(
+WAIT_FOR_DECODE = testing.FromSource(
     """
 def reward(prompt, completion, meta):
     import os, time

@@ -15,24 +15,9 @@ import pytest
 from espo import testing
 from espo.rewards import pool
 
-
-class FromSource:
-    """A reward function that each worker builds by executing `source` (which defines `reward`).
-
-    The tests run with --import-mode=importlib, so functions defined in a test module cannot be
-    unpickled in a spawned worker; `eval` is a builtin, so this pickles to (eval, source).
-    """
-
-    def __init__(self, source: str):
-        self.source = source
-
-    def __reduce__(self):
-        return (eval, (f"(lambda ns: (exec({self.source!r}, ns), ns['reward'])[1])({{}})",))
-
-
 # Each sample creates <dir>/<completion> and returns only once `meta["parties"]` files exist:
 # `parties` samples finish only if they run at the same time (else TimeoutError after wait_s).
-BARRIER = FromSource(
+BARRIER = testing.FromSource(
     """
 def reward(prompt, completion, meta):
     import os, time
@@ -48,7 +33,7 @@ def reward(prompt, completion, meta):
 
 # The first attempt of a sample writes its worker's pid to <dir>/<completion>.pid and then
 # sleeps (to be killed from outside); an attempt that finds the file scores the sample.
-KILLABLE = FromSource(
+KILLABLE = testing.FromSource(
     """
 def reward(prompt, completion, meta):
     import os, time
