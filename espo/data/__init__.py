@@ -1,0 +1,25 @@
+"""The input pipeline: prompts with stable ids, the training stream and tokenizers.
+
+Modules:
+  * `examples`: `Example` (id, prompt, answer, difficulty, meta) and `DataConfig` (the `data`
+    config section, validated).
+  * `sources`: `make_sources(cfg) -> (train, held_out)`, grain random-access sources over
+    reasoning_gym tasks, JSONL / Parquet files and TFDS (ArrayRecord) datasets; malformed
+    records are errors naming file and line, or skipped and counted.
+  * `stream`: `PromptStream`, the shuffled, repeating, checkpointable stream of training
+    Examples (grain), with an accept filter.
+  * `tokenizer`: `CharTokenizer` (the procedural default), `HfTokenizer` (tokenizer.json plus
+    the chat template rendered as transformers does), `load_tokenizer`, `check_vocab`.
+The verifier for reasoning_gym examples is `espo.rewards.gym.ReasoningGymReward`.
+"""
+
+import importlib
+
+_SUBMODULES = ("examples", "sources", "stream", "tokenizer")
+__all__ = list(_SUBMODULES)
+
+
+def __getattr__(name):  # lazy: a reward worker unpickling a tokenizer imports only that module
+    if name in _SUBMODULES:
+        return importlib.import_module(f"espo.data.{name}")
+    raise AttributeError(f"module 'espo.data' has no attribute {name!r}")

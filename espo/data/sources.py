@@ -1,0 +1,315 @@
+"""Prompt sources: `make_sources(cfg) -> (train, held_out)`, grain random-access data sources.
+
+This module owns reading prompts from each `DataConfig.source` and cutting the held-out set:
+  * "reasoning_gym": `reasoning_gym.create_dataset(name, size=, seed=, **kwargs)` per task spec;
+    ids "reasoning_gym:<spec index>-<name>:<index>", meta {"task", "answer", "entry"} where
+    "entry" is the generator's entry (question, answer, metadata) that the task's own scorer
+    reads (`espo.rewards.gym.ReasoningGymReward`).
+  * "jsonl": one JSON object per line (blank lines are not records); ids
+    "jsonl:<file stem>:<line number - 1>".
+  * "parquet": one record per row, read with pyarrow; ids "parquet:<file stem>:<row index>".
+  * "tfds": `tfds.data_source(path, split=, data_dir=tfds_data_dir)` (prepared ArrayRecord files,
+    no TensorFlow, no download); ids "tfds:<name>/<split>:<record index>".
+  For file-like sources meta is the whole record (as JSON data) plus "answer" (the answer field
+  as text) and "task": the record's own str "task" field when it has one, else the file stem
+  (dataset name for tfds).
+
+A malformed record (bad JSON, not an object, a missing / null / non-text / empty prompt or
+answer field, a bad difficulty) raises `BadRecordError` naming the file, the line (1-based; row
+index for parquet, record index for tfds) and the field; with `skip_bad_records` it is skipped
+and counted in `Source.num_skipped`. Sources hold their Examples in memory (all records are read
+and checked once, before training starts).
+
+Held-out split: without `eval_path`, a prompt goes to the held-out set when a stable hash of its
+text (BLAKE2b, not Python's salted `hash`) falls below `eval_fraction`, so equal prompts always
+land on the same side (also when a small procedural problem space repeats prompts), in every run
+and process. Bad records of a shared file are counted on the train side.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from espo.data import examples as examples_lib
+
+_EXTENSIONS = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", ".pq")}
+_SKIP_HINT = "(set data.skip_bad_records=True to skip and count malformed records)"
+
+
+class BadRecordError(ValueError):
+    """A malformed record: the message names the file, the line / row and the field."""
+
+
+class Source:
+    """A grain `RandomAccessDataSource` of `Example`s (len, getitem), with a name and the
+    number of malformed records skipped while reading it."""
+
+    def __init__(
+        self, *, name: str, examples: Sequence[examples_lib.Example], num_skipped: int = 0
+    ) -> None:
+        self.name = name
+        self.num_skipped = int(num_skipped)
+        self._examples = tuple(examples)
+
+    def __len__(self) -> int:
+        return len(self._examples)
+
+    def __getitem__(self, index: int) -> examples_lib.Example:
+        return self._examples[index]
+
+    def __repr__(self) -> str:  # grain uses it to tell sources apart in checkpoints
+        return f"Source(name={self.name!r}, len={len(self)}, num_skipped={self.num_skipped})"
+
+
+def make_sources(cfg: examples_lib.DataConfig) -> tuple[Source, Source]:
+    """(train, held-out eval) sources for `cfg`; raises when either is empty, naming the config."""
+    if cfg.source == "reasoning_gym":
+        everything = _reasoning_gym_examples(cfg)
+        dataset = "+".join(name for name, _ in examples_lib.parse_task_specs(cfg.tasks))
+        train_skipped, eval_skipped = 0, 0
+    else:
+        everything, train_skipped = _read_examples(cfg, cfg.path)
+        dataset = _dataset_name(cfg, cfg.path)
+    if cfg.eval_path:
+        train = everything
+        held_out, eval_skipped = _read_examples(cfg, cfg.eval_path, held_out=True)
+    else:
+        held = [_in_held_out(e.prompt, cfg.eval_fraction) for e in everything]
+        train = [e for e, h in zip(everything, held, strict=True) if not h]
+        held_out = [e for e, h in zip(everything, held, strict=True) if h]
+        eval_skipped = 0
+    train_source = Source(
+        name=f"{cfg.source}:{dataset} (train)", examples=train, num_skipped=train_skipped
+    )
+    eval_source = Source(
+        name=f"{cfg.source}:{dataset} (held-out)", examples=held_out, num_skipped=eval_skipped
+    )
+    for source, what in ((train_source, "training"), (eval_source, "held-out")):
+        if not len(source):
+            raise ValueError(
+                f"data: no {what} examples from {_describe(cfg)} "
+                f"(read {len(everything)} records, skipped {train_skipped + eval_skipped} "
+                "malformed); check data.path / data.tasks / data.eval_fraction / data.eval_path"
+            )
+    return train_source, eval_source
+
+
+def _describe(cfg: examples_lib.DataConfig) -> str:
+    if cfg.source == "reasoning_gym":
+        return f"data.source='reasoning_gym', data.tasks={cfg.tasks!r}, data.size={cfg.size}"
+    return (
+        f"data.source={cfg.source!r}, data.path={cfg.path!r}, data.eval_path={cfg.eval_path!r}, "
+        f"data.eval_fraction={cfg.eval_fraction}"
+    )
+
+
+def _in_held_out(prompt: str, fraction: float) -> bool:
+    digest = hashlib.blake2b(prompt.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64 < fraction
+
+
+# ---- reasoning_gym -------------------------------------------------------------------------
+
+
+def _reasoning_gym_examples(cfg: examples_lib.DataConfig) -> list[examples_lib.Example]:
+    import reasoning_gym  # heavy; only this source needs it
+    from reasoning_gym import factory
+
+    out = []
+    for i, (name, kwargs) in enumerate(examples_lib.parse_task_specs(cfg.tasks)):
+        kwargs = dict(kwargs)
+        difficulty = kwargs.pop("difficulty", math.nan)
+        where = f"DataConfig.tasks spec {i} ({name!r})"
+        if name not in factory.DATASETS:
+            close = difflib.get_close_matches(name, factory.DATASETS, n=5)
+            raise ValueError(
+                f"{where}: unknown reasoning_gym task; "
+                + (f"did you mean {', '.join(close)}? " if close else "")
+                + f"valid: {', '.join(sorted(factory.DATASETS))}"
+            )
+        seed = _spec_seed(cfg.seed, i)
+        try:
+            dataset = reasoning_gym.create_dataset(name, size=cfg.size, seed=seed, **kwargs)
+        except (TypeError, ValueError, AssertionError) as e:
+            config_cls = factory.DATASETS[name][1]
+            valid = sorted(f for f in config_cls.__dataclass_fields__ if f not in ("size", "seed"))
+            raise ValueError(
+                f"{where}: bad config {kwargs}: {type(e).__name__}: {e}; valid keys: "
+                f"difficulty, {', '.join(valid)}"
+            ) from e
+        for j in range(len(dataset)):
+            entry = examples_lib.jsonable(dataset[j])
+            answer = entry.get("answer")
+            answer = "" if answer is None else str(answer)
+            out.append(
+                examples_lib.Example(
+                    id=f"reasoning_gym:{i}-{name}:{j}",
+                    prompt=entry["question"],
+                    answer=answer,
+                    difficulty=difficulty,
+                    meta={"task": name, "answer": answer, "entry": entry},
+                )
+            )
+    return out
+
+
+def _spec_seed(seed: int, spec_index: int) -> int:
+    """The generation seed of spec `spec_index`. reasoning_gym seeds entry j with `seed + j`, so
+    nearby seeds (0 and 1, or seed + spec index) would repeat each other's problems shifted by
+    one; a hash spreads the specs (and the runs' seeds) far apart."""
+    digest = hashlib.blake2b(f"espo:{seed}:{spec_index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") % 2**31
+
+
+# ---- files and TFDS ------------------------------------------------------------------------
+
+
+def _dataset_name(cfg: examples_lib.DataConfig, path: str) -> str:
+    if cfg.source == "tfds":
+        return cfg.path
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def _read_examples(
+    cfg: examples_lib.DataConfig, path: str, *, held_out: bool = False
+) -> tuple[list[examples_lib.Example], int]:
+    """Examples of one file (or TFDS split) and the number of malformed records skipped."""
+    field = "eval_path" if held_out else "path"
+    if cfg.source == "tfds":
+        split = cfg.eval_path if held_out else cfg.split
+        dataset, records = cfg.path, _tfds_records(cfg, split=split, field=field)
+        id_prefix, task, unit = f"tfds:{dataset}/{split}", dataset, "record"
+        label = f"tfds {dataset!r} split {split!r}"
+    else:
+        valid = _EXTENSIONS[cfg.source]
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in valid:
+            raise ValueError(
+                f"DataConfig.{field}={path!r} has extension {ext!r}; valid for "
+                f"source={cfg.source!r}: {', '.join(valid)}"
+            )
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"DataConfig.{field}={path!r}: no such file")
+        task = _dataset_name(cfg, path)
+        id_prefix, label = f"{cfg.source}:{task}", path
+        if cfg.source == "jsonl":
+            records, unit = _jsonl_records(path), "line"
+        else:
+            records, unit = _parquet_records(path), "row index"
+    out, num_skipped = [], 0
+    for index, record in records:
+        try:
+            out.append(_to_example(cfg, record, id_=f"{id_prefix}:{index}", task=task))
+        except BadRecordError as e:
+            if not cfg.skip_bad_records:
+                where = index + 1 if unit == "line" else index
+                raise BadRecordError(f"{label}: {unit} {where}: {e} {_SKIP_HINT}") from None
+            num_skipped += 1
+    return out, num_skipped
+
+
+def _jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
+    """(line number - 1, the parsed line or a BadRecordError) per non-blank line."""
+    with open(path, "rb") as f:
+        for index, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield index, BadRecordError(f"not UTF-8 ({e})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield index, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield index, BadRecordError(f"bad JSON ({e})")
+
+
+def _parquet_records(path: str) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq  # only this source needs it
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for an unreadable file
+        raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+    yield from enumerate(table.to_pylist())
+
+
+def _tfds_records(cfg: examples_lib.DataConfig, *, split: str, field: str):
+    import tensorflow_datasets as tfds  # only this source needs it
+
+    try:
+        source = tfds.data_source(
+            cfg.path, split=split, data_dir=cfg.tfds_data_dir or None, download=False
+        )
+    except Exception as e:  # tfds raises its own types (DatasetNotFoundError, ...)
+        what = f"DataConfig.path={cfg.path!r}" + (
+            f", DataConfig.eval_path={split!r}" if field == "eval_path" else f", split={split!r}"
+        )
+        raise ValueError(
+            f"{what}: cannot open the TFDS data source in "
+            f"tfds_data_dir={cfg.tfds_data_dir!r} ({type(e).__name__}: {str(e)[:500]})"
+        ) from e
+    for index in range(len(source)):
+        yield index, source[index]
+
+
+def _to_example(
+    cfg: examples_lib.DataConfig, record: Any, *, id_: str, task: str
+) -> examples_lib.Example:
+    if isinstance(record, BadRecordError):
+        raise record
+    if not isinstance(record, dict):
+        raise BadRecordError(f"a record must be a JSON object, got {type(record).__name__}")
+    record = examples_lib.jsonable(record)
+    prompt = _text_field(record, cfg.prompt_field, "prompt_field", numbers=False)
+    answer = _text_field(record, cfg.answer_field, "answer_field", numbers=True)
+    difficulty = math.nan
+    if cfg.difficulty_field:
+        value = _field(record, cfg.difficulty_field, "difficulty_field")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRecordError(
+                f"field {cfg.difficulty_field!r} (data.difficulty_field) is {value!r}; "
+                "valid: a number in [0, 1]"
+            )
+        if not 0.0 <= value <= 1.0:
+            raise BadRecordError(
+                f"field {cfg.difficulty_field!r} (data.difficulty_field) is {value!r}; "
+                "valid: a number in [0, 1]"
+            )
+        difficulty = float(value)
+    own_task = record.get("task")
+    meta = {**record, "answer": answer, "task": own_task if isinstance(own_task, str) else task}
+    return examples_lib.Example(
+        id=id_, prompt=prompt, answer=answer, difficulty=difficulty, meta=meta
+    )
+
+
+def _field(record: dict, name: str, config_field: str) -> Any:
+    if name not in record:
+        raise BadRecordError(
+            f"missing field {name!r} (data.{config_field}); the record has {sorted(record)}"
+        )
+    if record[name] is None:
+        raise BadRecordError(f"field {name!r} (data.{config_field}) is null")
+    return record[name]
+
+
+def _text_field(record: dict, name: str, config_field: str, *, numbers: bool) -> str:
+    value = _field(record, name, config_field)
+    if numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        valid = "a string or a number" if numbers else "a string"
+        raise BadRecordError(
+            f"field {name!r} (data.{config_field}) is a {type(value).__name__}; valid: {valid}"
+        )
+    if not value.strip():
+        raise BadRecordError(f"field {name!r} (data.{config_field}) is empty")
+    return value
