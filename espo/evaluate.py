@@ -1,0 +1,220 @@
+"""Held-out evaluation: greedy pass@1, and avg@k / pass@k over k sampled completions.
+
+Owns the eval metrics the trainer logs at the start, every `eval.every_steps` and at the end:
+  eval/pass@1          share of prompts whose greedy completion is correct;
+  eval/avg@{k}         share of the k sampled completions (at `temperature`) that are correct,
+                       averaged over prompts (the mean per-prompt accuracy);
+  eval/pass@{k}        share of prompts with at least one correct sampled completion (left out
+                       when k == 1: it equals avg@1, and its name is the greedy pass@1's);
+  eval/reward_mean     mean reward of the sampled completions (shaped rewards included);
+  eval/mean_length     mean sampled completion length in tokens (EOS included);
+  eval/greedy_mean_length, eval/num_prompts.
+A completion is correct when reward_fn(prompt_text, completion_text, meta) > 0.5 (the verifiers
+return 1.0 / 0.0), so pass@k >= avg@k >= 0 always holds.
+
+Invariants:
+- Compiles once per (model, prompt bucket, generation bucket, batch size): every sampler call of
+  an evaluation has the same padded batch (the last batch is filled with copies of the last
+  prompt whose outputs are dropped), the same prompt bucket (the bucket of the longest held-out
+  prompt) and the same generation bucket, so repeated evaluations never recompile.
+- Every sampler call gets its own key: greedy and sampled passes split `key`, and batch b of a
+  pass uses `jax.random.fold_in(pass_key, b)`.
+- Rewards are computed in-process while the next batch decodes (JAX dispatch is asynchronous).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from espo import sampler, scheduling
+from espo.model import config as config_lib
+
+CORRECT_ABOVE = 0.5  # reward > this counts as a correct completion
+
+# Arguments of `sampler.sample` that `evaluate` sets itself (not allowed in `sampling_kw`).
+_RESERVED = ("key", "num_samples", "max_new_tokens", "temperature", "buckets")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """How held-out prompts are evaluated."""
+
+    samples: int = 8  # k: sampled completions per prompt for avg@k / pass@k
+    temperature: float = 1.0  # sampling temperature of the k samples (greedy pass@1 uses 0)
+    max_new_tokens: int  # generation budget of every completion
+    batch_size: int = 64  # rows per sampler call (prompts x samples); >= samples
+
+    def __post_init__(self):
+        checks = {
+            "samples": (_is_int(self.samples) and self.samples >= 1, "an int >= 1"),
+            "temperature": (
+                isinstance(self.temperature, int | float) and 0 < self.temperature < math.inf,
+                "a finite number > 0 (greedy pass@1 is always computed)",
+            ),
+            "max_new_tokens": (
+                _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+                "an int >= 1",
+            ),
+            "batch_size": (
+                _is_int(self.batch_size)
+                and self.batch_size >= (self.samples if _is_int(self.samples) else 1),
+                f"an int >= samples={self.samples!r} (a sampler call holds whole prompts)",
+            ),
+        }
+        for field, (ok, valid) in checks.items():
+            if not ok:
+                raise ValueError(f"EvalConfig.{field}={getattr(self, field)!r} is invalid: {valid}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """Per-prompt results of one pass (greedy or sampled): [P, G] rewards and lengths."""
+
+    rewards: np.ndarray
+    lengths: np.ndarray
+
+
+def _run_pass(
+    model,
+    params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    num_samples: int,
+    temperature: float,
+    key: jax.Array,
+    score: Callable[[int, list[int]], float],
+    cfg: EvalConfig,
+    buckets: scheduling.LengthBuckets,
+    sampling_kw: Mapping,
+) -> _Pass:
+    """Sample `num_samples` completions of every prompt in fixed-size batches and score them."""
+    P, G = len(prompts), num_samples
+    per_call = min(cfg.batch_size // G, P)  # prompts per sampler call, the same for every call
+    rewards = np.zeros((P, G), np.float64)
+    lengths = np.zeros((P, G), np.int64)
+
+    def dispatch(b: int):
+        idx = list(range(b * per_call, min((b + 1) * per_call, P)))
+        padded = idx + [idx[-1]] * (per_call - len(idx))  # copies of the last prompt
+        out = sampler.sample(
+            model, params, [prompts[i] for i in padded], [len(prompts[i]) for i in padded],
+            key=jax.random.fold_in(key, b), num_samples=G, max_new_tokens=cfg.max_new_tokens,
+            temperature=temperature, buckets=buckets, **sampling_kw,
+        )  # fmt: skip
+        return idx, out
+
+    def collect(idx, out):
+        tokens, lens = np.asarray(out.tokens), np.asarray(out.lengths)  # rows prompt-major
+        for j, i in enumerate(idx):  # padding prompts (j >= len(idx)) are dropped
+            for g in range(G):
+                r = j * G + g
+                lengths[i, g] = lens[r]
+                rewards[i, g] = score(i, tokens[r, : lens[r]].tolist())
+
+    num_batches = -(-P // per_call)
+    pending = dispatch(0)
+    for b in range(1, num_batches + 1):
+        current = pending
+        pending = dispatch(b) if b < num_batches else None  # decodes while we score `current`
+        collect(*current)
+    return _Pass(rewards=rewards, lengths=lengths)
+
+
+def evaluate(
+    model: config_lib.ModelConfig | sampler.SamplingModel,
+    params,
+    *,
+    prompts: Sequence[Sequence[int]],
+    metas: Sequence[Mapping],
+    prompt_texts: Sequence[str],
+    reward_fn: Callable[[str, str, Mapping], float],
+    detokenize: Callable[[Sequence[int]], str],
+    key: jax.Array,
+    cfg: EvalConfig,
+    sampling_kw: Mapping,
+    buckets: scheduling.LengthBuckets = sampler.DEFAULT_BUCKETS,
+) -> dict[str, float]:
+    """Greedy pass@1 and avg@k / pass@k of `params` on held-out prompts (see the module doc).
+
+    Args:
+      model: a `ModelConfig` or a `SamplingModel`, as `sampler.sample` takes.
+      prompts: P token sequences (unpadded); `metas[i]` and `prompt_texts[i]` go to reward_fn.
+      reward_fn: reward_fn(prompt_text, completion_text, meta) -> float, called in-process;
+        the completion is `detokenize(tokens)` of the completion's tokens (EOS included, as in
+        the rollout).
+      key: split between the greedy and the sampled pass, then folded per batch.
+      sampling_kw: passed unchanged to `sampler.sample` (eos / pad ids, top_p, ...); it must not
+        set what evaluate sets itself: key, num_samples, max_new_tokens, temperature, buckets.
+      buckets: the prompt bucket is the smallest of these holding the longest prompt and the
+        generation bucket the smallest holding cfg.max_new_tokens, fixed for the whole call.
+    Returns:
+      Python floats keyed "eval/pass@1", f"eval/avg@{k}", f"eval/pass@{k}" (k > 1),
+      "eval/reward_mean", "eval/mean_length", "eval/greedy_mean_length", "eval/num_prompts".
+    """
+    P = len(prompts)
+    if P == 0:
+        raise ValueError("evaluate: prompts is empty; the held-out set needs at least one prompt")
+    if len(metas) != P or len(prompt_texts) != P:
+        raise ValueError(
+            f"evaluate: prompts, metas and prompt_texts must have one entry per prompt, got "
+            f"{P}, {len(metas)} and {len(prompt_texts)}"
+        )
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"evaluate: prompts{empty[:5]} are empty; every prompt needs a token")
+    reserved = sorted(set(sampling_kw) & set(_RESERVED))
+    if reserved:
+        raise ValueError(
+            f"evaluate: sampling_kw sets {reserved}, which evaluate sets itself "
+            f"(from cfg and key); sampling_kw may hold the other sampler.sample arguments"
+        )
+    buckets.check_max_new_tokens(cfg.max_new_tokens)
+    fixed = scheduling.LengthBuckets(
+        prompt_buckets=(buckets.prompt_bucket(max(len(p) for p in prompts)),),
+        generation_buckets=(buckets.generation_bucket(cfg.max_new_tokens),),
+    )
+
+    def score(i: int, completion_tokens: list[int]) -> float:
+        completion = detokenize(completion_tokens)
+        value = reward_fn(prompt_texts[i], completion, metas[i])
+        ok = isinstance(value, int | float | np.number) and not isinstance(value, bool)
+        if not ok or not math.isfinite(float(value)):
+            raise ValueError(
+                f"evaluate: reward_fn returned {value!r} for held-out prompt {i} "
+                f"(completion {completion!r}); it must return a finite float"
+            )
+        return float(value)
+
+    greedy_key, sample_key = jax.random.split(key)
+    common = dict(cfg=cfg, buckets=fixed, sampling_kw=sampling_kw, score=score)
+    greedy = _run_pass(
+        model, params, prompts, num_samples=1, temperature=0.0, key=greedy_key, **common
+    )
+    k = cfg.samples
+    sampled = _run_pass(
+        model, params, prompts, num_samples=k, temperature=float(cfg.temperature),
+        key=sample_key, **common,
+    )  # fmt: skip
+    correct = sampled.rewards > CORRECT_ABOVE  # [P, k]
+    metrics = {
+        "eval/pass@1": float(np.mean(greedy.rewards[:, 0] > CORRECT_ABOVE)),
+        f"eval/avg@{k}": float(np.mean(correct)),
+    }
+    if k > 1:
+        metrics[f"eval/pass@{k}"] = float(np.mean(correct.any(axis=1)))
+    metrics |= {
+        "eval/reward_mean": float(np.mean(sampled.rewards)),
+        "eval/mean_length": float(np.mean(sampled.lengths)),
+        "eval/greedy_mean_length": float(np.mean(greedy.lengths)),
+        "eval/num_prompts": float(P),
+    }
+    return metrics
