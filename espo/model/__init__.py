@@ -1,6 +1,11 @@
-"""The pure-functional MoE transformer: config, init, forward, KV cache, HF interop."""
+"""The pure-functional MoE transformer: config, init, forward, KV cache, HF interop.
+
+`Model(cfg)` is the one handle (init / forward / init_cache) the sampler, trainer and tests use;
+the module-level functions below take the config as their first argument.
+"""
 
 from espo.model.config import ModelConfig, RoutingMode
+from espo.model.handle import Model
 from espo.model.layers import KVCache, init_cache
 from espo.model.transformer import (
     ModelAux,
@@ -14,6 +19,7 @@ from espo.model.transformer import (
 
 __all__ = [
     "KVCache",
+    "Model",
     "ModelAux",
     "ModelConfig",
     "ModelOutput",
