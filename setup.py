@@ -21,6 +21,14 @@ setuptools.setup(
         "safetensors>=0.5,<1",
         "tqdm>=4.66,<5",
         "math-verify[antlr4_13_2]>=0.9,<0.10",
+        # The trainer: input pipeline, procedural tasks, tokenizers and chat templates, logs, plots.
+        "grain>=0.2.12,<0.3",
+        "reasoning-gym>=0.1.20,<0.2",
+        "tokenizers>=0.20,<1",
+        "jinja2>=3.1,<4",
+        "pyarrow>=15",
+        "tensorboardX>=2.6,<3",
+        "matplotlib>=3.8,<4",
     ],
     extras_require={
         # Parity tests against Hugging Face transformers. torch is pinned to the CPU build that

@@ -1,12 +1,16 @@
-"""The default espo configuration (a tiny MoE that runs on a laptop CPU).
+"""The embedded default: RL on procedural arithmetic (reasoning-gym) with a small MoE from scratch.
 
-Run:  python experiments/run.py --config configs/default.py
-      python experiments/run.py --config configs/default.py:tiny --config.demo.batch=4
-      python experiments/run.py --config configs/default.py --config.model.hf_path=/ckpt/dir
+Run:  make run   (= python experiments/run.py --config configs/default.py)
+      python experiments/run.py --config configs/default.py:tiny --workdir /tmp/espo_tiny
+      python experiments/run.py --config configs/default.py --config.loss.name=grpo
 
-`get_config(arg)` takes a variant string: "" (default) or "tiny" (the smallest shapes, used by the
-tests). Library modules never read this ConfigDict: `experiments/run.py` turns each section into
-the frozen, validated dataclass of the module that owns it.
+`get_config(arg)` takes a variant: "" (default) or "tiny" (the smallest shapes; the tests run it).
+A supervised warm start (`sft`) teaches the format and some arithmetic; RL then trains the whole
+"Each Prompt Matters" pipeline: curriculum -> pre-filter -> adaptive G -> FP8 rollout with
+length-aware scheduling and overlapped rewards -> shaping -> zero-variance elimination ->
+advantages -> old log-probs with router replay -> ESPO updates -> eval -> checkpoint.
+Library modules never read this ConfigDict: `espo.config.Settings.from_config` turns each section
+into the frozen, validated dataclass of the module that owns it, before anything compiles.
 """
 
 import ml_collections
@@ -14,6 +18,31 @@ from ml_collections import config_dict
 
 _float = config_dict.placeholder(float)  # "None: the library's default for this setting"
 _int = config_dict.placeholder(int)
+
+# reasoning-gym chain_sum at three difficulty levels (one task spec per level, ";"-separated).
+ARITHMETIC = ";".join(
+    [
+        "chain_sum:min_terms=2:max_terms=2:min_digits=1:max_digits=1:difficulty=0",
+        "chain_sum:min_terms=3:max_terms=3:min_digits=1:max_digits=1:difficulty=0.5",
+        "chain_sum:min_terms=2:max_terms=2:min_digits=2:max_digits=2:difficulty=1",
+    ]
+)
+
+
+def stage(name, *, max_difficulty, steps, group_size=8, max_new_tokens=8, **kw):
+    """One curriculum stage (espo.curriculum.Stage fields)."""
+    return ml_collections.ConfigDict(
+        dict(
+            name=name,
+            min_difficulty=kw.get("min_difficulty", 0.0),  # easiest level drawn
+            max_difficulty=max_difficulty,  # hardest level drawn
+            group_size=group_size,  # G of the stage (adaptive G may raise it)
+            max_new_tokens=max_new_tokens,  # generation budget of the stage
+            advance=kw.get("advance", "steps"),  # "steps" or "accuracy"
+            steps=steps,  # steps in the stage (a cap with "accuracy")
+            accuracy_threshold=kw.get("accuracy_threshold", 0.8),  # "accuracy": EMA to advance
+        )
+    )
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
@@ -23,13 +52,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
             f"configs/default.py: variant {variant!r} is invalid; valid: default, tiny"
         )
     c = ml_collections.ConfigDict()
-    c.seed = 0  # PRNG seed of parameter init and sampling
-    c.workdir = "runs/default"  # where outputs of the run are written
+    c.seed = 0  # PRNG seed of init, data order, sampling and evaluation
+    c.workdir = "runs/default"  # outputs: checkpoints, metrics.jsonl, tensorboard, plots, export
 
-    # ---- model: espo.model.ModelConfig fields, or a Hugging Face checkpoint directory ---------
+    # ---- model: espo.model.ModelConfig fields, or a Hugging Face checkpoint directory ------------
     c.model = ml_collections.ConfigDict()
-    c.model.hf_path = ""  # local Qwen3-MoE / Mixtral checkpoint dir; overrides the fields below
-    c.model.vocab_size = 512  # V
+    c.model.hf_path = ""  # local Qwen3-MoE / Mixtral dir (+ tokenizer files); overrides the rest
+    c.model.vocab_size = 128  # V (the character tokenizer uses 98 ids)
     c.model.d_model = 128  # D
     c.model.num_layers = 4  # L
     c.model.num_heads = 4  # H query heads
@@ -43,22 +72,89 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.rope_theta = 10000.0  # RoPE base
     c.model.param_dtype = "float32"  # parameter storage dtype
     c.model.dtype = "float32"  # activation / matmul dtype
-    c.model.aux_loss_coef = 0.001  # load-balancing loss weight
+    c.model.aux_loss_coef = 0.001  # load-balancing loss weight (added to the policy loss)
     c.model.z_loss_coef = 0.0  # router z-loss weight
 
-    # ---- rollout: espo.sampler.SamplingParams + scheduling (names as in vLLM / verl) ----------
+    # ---- data: espo.data.DataConfig (grain pipeline) ---------------------------------------------
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "reasoning_gym"  # reasoning_gym | jsonl | parquet | tfds
+    c.data.tasks = ARITHMETIC  # reasoning_gym task specs "name:key=value...:difficulty=x;..."
+    c.data.size = 3000  # reasoning_gym: examples generated per task spec
+    c.data.path = ""  # jsonl / parquet file, or the TFDS dataset name
+    c.data.tfds_data_dir = ""  # TFDS data_dir (prepared ArrayRecord files)
+    c.data.split = "train"  # TFDS split
+    c.data.prompt_field = "prompt"  # record field with the question
+    c.data.answer_field = "answer"  # record field with the gold answer
+    c.data.difficulty_field = ""  # optional record field with a difficulty in [0, 1]
+    c.data.eval_path = ""  # separate held-out file; "" = split by eval_fraction
+    c.data.eval_fraction = 0.1  # held-out share (by a stable hash of the prompt text)
+    c.data.skip_bad_records = False  # True: skip and count malformed records instead of failing
+    c.data.max_prompt_length = 80  # prompts longer than this (tokens) are skipped (verl's filter)
+
+    # ---- rollout: sampling (names as in vLLM / verl) and scheduling ------------------------------
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.max_new_tokens = 1024  # hard cap on completion length (the only truncation)
     c.rollout.temperature = 1.0  # sampling temperature (0 = greedy)
     c.rollout.top_p = 1.0  # nucleus mass kept
     c.rollout.top_k = 0  # 0 = no top-k truncation
     c.rollout.fp8 = True  # sample from FP8 (e4m3) weights; training stays in param_dtype
-    c.rollout.max_chunk_size = 64  # rows decoded together
-    c.rollout.schedule = "length_aware"  # or "fifo"
+    c.rollout.max_chunk_size = 128  # rows decoded together
+    c.rollout.schedule = "length_aware"  # length_aware | fifo
     c.rollout.reward_workers = 2  # reward process pool size
     c.rollout.reward_timeout_s = 10.0  # per-sample reward timeout
 
-    # ---- loss: espo.losses.LossConfig ----------------------------------------------------------
+    # ---- train: the RL loop (verl / TRL names) ---------------------------------------------------
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 150  # RL steps
+    c.train.prompts_per_step = 16  # groups per optimiser batch (verl: train_batch_size)
+    c.train.ppo_epochs = 1  # passes over each batch (verl: ppo_epochs, TRL: num_iterations)
+    c.train.mini_batch_size = 0  # rows per optimiser update; 0 = the whole batch (one update)
+    c.train.micro_batch_size = 64  # rows per forward/backward (exact accumulation)
+    c.train.router_replay = True  # replay the rollout's experts in old-log-prob and update forwards
+    c.train.old_logps = "recompute"  # recompute (trainer params) | sampler (the rollout's)
+    c.train.espo_entropy = "old"  # ESPO grouping entropies: old | sampler
+    c.train.rl_zvp_entropy = "current"  # RL-ZVP entropies: current | old | sampler
+    c.train.log_every = 1  # steps between metrics.jsonl lines
+
+    # ---- optimizer: optax AdamW, warmup + cosine, global-norm clipping ---------------------------
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.learning_rate = 2e-4  # peak learning rate
+    c.optimizer.warmup_steps = 10  # linear warmup
+    c.optimizer.schedule = "cosine"  # cosine | constant (after warmup)
+    c.optimizer.end_lr_ratio = 0.1  # cosine floor as a fraction of the peak
+    c.optimizer.weight_decay = 0.0  # AdamW decoupled weight decay
+    c.optimizer.b1 = 0.9  # Adam beta1
+    c.optimizer.b2 = 0.99  # Adam beta2
+    c.optimizer.eps = 1e-8  # Adam epsilon
+    c.optimizer.max_grad_norm = 1.0  # global-norm clip (0 = off)
+
+    # ---- sft: supervised warm start on task demonstrations (skipped from a checkpoint) -----------
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 300  # 0 = no warm start
+    c.sft.batch_size = 64  # demonstrations per step
+    c.sft.learning_rate = 2e-3  # AdamW peak (warmup + cosine)
+    c.sft.warmup_steps = 20  # linear warmup
+
+    # ---- curriculum: espo.curriculum stages, in order (Compass-Thinker-7B) -----------------------
+    c.curriculum = ml_collections.ConfigDict()
+    c.curriculum.stages = (
+        stage("easy", max_difficulty=0.5, steps=60),
+        stage("all", max_difficulty=1.0, steps=10**9),
+    )
+
+    # ---- eval: held-out greedy pass@1 and avg@k / pass@k -----------------------------------------
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every_steps = 25  # 0 = only at the start and the end
+    c.eval.samples = 8  # k of avg@k / pass@k
+    c.eval.num_prompts = 256  # held-out prompts evaluated
+    c.eval.temperature = 1.0  # of the k samples (pass@1 is greedy)
+    c.eval.batch_size = 256  # rows per sampler call
+
+    # ---- checkpoint: orbax CheckpointManager in WORKDIR/checkpoints ------------------------------
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 25  # save period (and always at the end)
+    c.checkpoint.keep = 2  # newest checkpoints kept
+
+    # ---- loss: espo.losses.LossConfig ------------------------------------------------------------
     c.loss = ml_collections.ConfigDict()
     c.loss.name = "espo"  # grpo | gspo | espo | cispo
     c.loss.agg = config_dict.placeholder(str)  # aggregation; None = the loss's default
@@ -71,11 +167,18 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.loss.quantile_scope = "sequence"  # ESPO: entropy quantiles per sequence or per batch
     c.loss.alpha = 0.02  # ESPO: eps = alpha * mean group entropy / log|V|
     c.loss.espo_ratio = "gspo_token"  # ESPO ratio reading: gspo_token | literal (Eq. 9)
-    c.loss.kl_coef = 0.0  # beta of the KL to the reference policy (0 = no reference)
+    c.loss.kl_coef = 0.0  # beta of the KL to the reference (warm-start) policy; 0 = none
     c.loss.kl_estimator = "k3"  # k1 | k2 | k3
     c.loss.overlong_filter = False  # DAPO: truncated samples (no EOS) leave the loss
 
-    # ---- zve: espo.zero_variance.ZveConfig (multi-stage zero-variance elimination) -------------
+    # ---- advantage: espo.advantages.AdvantageConfig ----------------------------------------------
+    c.advantage = ml_collections.ConfigDict()
+    c.advantage.estimator = "grpo"  # grpo: (r - mean) / (std + eps) | dr_grpo: r - mean
+    c.advantage.eps = 1e-6  # added to the group std
+    c.advantage.rl_zvp_alpha = 0.1  # RL-ZVP alpha (used when zve.mode = rl_zvp)
+    c.advantage.success_threshold = 0.5  # a sample is correct when its verifier reward > this
+
+    # ---- zve: espo.zero_variance.ZveConfig (multi-stage zero-variance elimination) ---------------
     c.zve = ml_collections.ConfigDict()
     c.zve.mode = "rl_zvp"  # optimiser stage: resample | rl_zvp | drop
     c.zve.max_resample_rounds = 4  # resample: extra generation rounds at most
@@ -83,43 +186,35 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.zve.max_oversample = 4.0  # resample: max prompts drawn per missing group
     c.zve.max_carry_over_steps = 0  # resample: steps a leftover group is kept (0: none, as DAPO)
     c.zve.atol = 1e-6  # rewards closer than this count as equal
-    c.zve.prefilter = "drop"  # offline pass-rate pre-filter: drop | downweight | off
-    c.zve.prefilter_low = 0.0  # pass rate <= this is filtered
-    c.zve.prefilter_high = 1.0  # pass rate >= this is filtered
+    c.zve.prefilter = "drop"  # pass-rate pre-filter on the online history: drop | downweight | off
+    c.zve.prefilter_low = 0.05  # pass rate <= this is filtered (never solved)
+    c.zve.prefilter_high = 0.95  # pass rate >= this is filtered (always solved)
     c.zve.prefilter_downweight = 0.1  # sampling weight of filtered prompts in downweight mode
-    c.zve.group_size = 8  # G for prompts with no pass-rate history
-    c.zve.max_group_size = 8  # adaptive G up to this (== group_size: adaptive G off)
+    c.zve.group_size = 8  # G for prompts with no history (a stage's group_size overrides it)
+    c.zve.max_group_size = 16  # adaptive G up to this (== group_size: adaptive G off)
     c.zve.zvp_target = 0.5  # adaptive G: smallest G with p^G + (1-p)^G below this
     c.zve.rollout_budget = _int  # cap on the sum of G per step; None = no cap
 
-    # ---- reward: shaping (espo.rewards.shaping) and RM adjustment (reward_model) ----------------
+    # ---- reward: shaping (espo.rewards.shaping); L_max is the stage's max_new_tokens -------------
     c.reward = ml_collections.ConfigDict()
-    c.reward.shaping = ml_collections.ConfigDict()
-    c.reward.shaping.overlong_weight = 1.0  # weight of the DAPO soft overlong penalty
-    c.reward.shaping.max_length = 1024  # L_max of the overlong penalty
-    c.reward.shaping.cache_length = 256  # L_cache of the overlong penalty
-    c.reward.shaping.repetition_weight = 0.0  # weight of the repeated n-gram penalty
-    c.reward.shaping.ngram_size = 4  # n of the repetition penalty
-    c.reward.shaping.repetition_threshold = 0.0  # repetition ratio below this is free
-    c.reward.rm_adjust = ml_collections.ConfigDict()
-    c.reward.rm_adjust.tiered = True  # a verified-correct answer always outranks a wrong one
-    # RM spread within a tier; None: half the bound (1/G) under which tiers cannot invert
-    c.reward.rm_adjust.margin = ml_collections.config_dict.placeholder(float)
-    c.reward.rm_adjust.dead_zone = 0.75  # BT-logit gaps below this tie (repro_inversion.py)
-    c.reward.rm_adjust.rank = True  # rank-normalise RM scores within a tier
-    c.reward.rm_adjust.squash_scale = 1.0  # scale of the squash before the margin
-
-    # ---- demo: what `make run` shows until the RL trainer lands --------------------------------
-    c.demo = ml_collections.ConfigDict()
-    c.demo.batch = 8  # prompts
-    c.demo.prompt_length = 16  # tokens per random prompt
-    c.demo.new_tokens = 16  # greedy tokens decoded with the KV cache
-    c.demo.update_scale = 0.02  # relative size of the simulated policy update (router replay demo)
+    c.reward.overlong_weight = 0.5  # weight of the DAPO soft overlong penalty
+    c.reward.overlong_cache_fraction = 0.5  # L_cache as a fraction of max_new_tokens
+    c.reward.repetition_weight = 0.0  # weight of the repeated n-gram penalty
+    c.reward.ngram_size = 4  # n of the repetition penalty
+    c.reward.repetition_threshold = 0.0  # repetition ratio below this is free
 
     if variant == "tiny":
-        c.model.update(vocab_size=256, d_model=64, num_layers=2, num_experts=8, top_k=2)
-        c.model.update(head_dim=16, moe_ffn_dim=64)
-        c.demo.update(batch=2, prompt_length=8, new_tokens=4)
-        c.rollout.update(max_new_tokens=32, max_chunk_size=8)
-        c.reward.shaping.update(max_length=32, cache_length=8)
+        c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+        c.model.update(num_experts=4, top_k=2, moe_ffn_dim=32)
+        c.data.update(size=64, eval_fraction=0.25)
+        c.rollout.update(max_chunk_size=16, reward_workers=1)
+        c.train.update(steps=2, prompts_per_step=2, micro_batch_size=8, mini_batch_size=16)
+        c.sft.update(steps=2, batch_size=4)
+        c.curriculum.stages = (
+            stage("easy", max_difficulty=0.5, steps=1, group_size=4, max_new_tokens=4),
+            stage("all", max_difficulty=1.0, steps=10**9, group_size=4, max_new_tokens=4),
+        )
+        c.zve.update(group_size=4, max_group_size=8)
+        c.eval.update(every_steps=0, samples=2, num_prompts=4, batch_size=8)
+        c.checkpoint.update(every_steps=1)
     return c

@@ -33,13 +33,16 @@ sequences with a real vocabulary (not done here).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import optax
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import types
+from espo import advantages, batching, losses, types
 from espo.model import config as config_lib
 from espo.model import transformer
 
@@ -158,3 +161,209 @@ def old_logps(
 def completion(values: Float[Array, "B T"], *, prompt_length: int) -> Float[Array, "B Tg"]:
     """The completion part [B, T - Tp] of an aligned [B, Tp + Tg] array (Rollout.logps layout)."""
     return values[:, prompt_length:]
+
+
+# ---- the jitted steps of the trainer ------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the update changes (a pytree; the trainer donates it to `train_step`)."""
+
+    step: Int[Array, " "]  # optimiser updates done
+    params: dict
+    opt_state: optax.OptState
+    ref_params: dict | None = None  # the frozen reference policy (loss.kl_coef > 0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """The static settings of `prepare` and `train_step` (hashable)."""
+
+    model: config_lib.ModelConfig
+    loss: losses.LossConfig
+    advantage: advantages.AdvantageConfig
+    entropy: EntropyConfig
+    num_groups: int  # P, groups per batch (segments of the advantage)
+    micro_batch_size: int
+    router_replay: bool = True
+    old_logps: str = "recompute"  # "recompute" | "sampler"
+    temperature: float = 1.0  # the rollout's; logits are scaled as the sampler did
+
+
+def _routing(sc: StepConfig, batch) -> dict:
+    if not sc.router_replay:
+        return dict(routing=None, routing_mode=RoutingMode.FREE)
+    return dict(routing=batch.router, routing_mode=RoutingMode.REPLAY_IDS)
+
+
+def _expert_agreement(a: Int[Array, "B L T K"], b: Int[Array, "B L T K"], mask) -> Array:
+    """Mean over masked (row, MoE layer, position) of |experts(a) & experts(b)| / K."""
+    same = (a[..., :, None] == b[..., None, :]).any(-1).mean(-1)  # [B, L, T]
+    m = mask[:, None, :] & (b[..., 0] >= 0)  # [B, L, T]: recorded MoE layers only
+    return jnp.where(m, same, 0.0).sum(), m.sum()
+
+
+def prepare(sc: StepConfig, params: dict, ref_params: dict | None, batch):
+    """pi_old (and reference) log-probs, entropies, advantages and train-infer mismatch.
+
+    One pass over micro-batches with `lax.map`. pi_old replays the rollout's experts when
+    `router_replay` (REPLAY_IDS), or routes freely; `old_logps="sampler"` takes the rollout's own
+    log-probs instead. Mismatch metrics compare the sampler's log-probs with pi_old's on loss
+    tokens: k3 KL(sampler || trainer), the fraction with |dlogp| > ln 2, and the router agreement
+    of a FREE-routing trainer forward with the rollout's experts.
+    """
+    mbs = batching.split(batch, batch.num_rows // sc.micro_batch_size)
+
+    def one(mb):
+        opts = dict(temperature=sc.temperature, replay_missing="free")
+        old = token_logps(
+            sc.model, params, mb.tokens, mb.attention_mask, **_routing(sc, mb), **opts
+        )
+        free = transformer.forward(sc.model, params, mb.tokens, attention_mask=mb.attention_mask)
+        agree = _expert_agreement(free.router.expert_ids, mb.router.expert_ids, mb.loss_mask)
+        ref = jnp.zeros_like(old.logps)
+        if ref_params is not None:
+            ref = token_logps(
+                sc.model, ref_params, mb.tokens, mb.attention_mask, **_routing(sc, mb), **opts
+            ).logps
+        return old.logps, old.entropies, ref, agree, old.aux.num_unrecorded_routes
+
+    logps, ents, ref, (agree, agree_n), unrecorded = jax.lax.map(one, mbs)
+    logps, ents, ref = batching.unsplit((logps, ents, ref))
+    logps = jax.lax.stop_gradient(logps)
+    if sc.old_logps == "sampler":
+        logps = batch.sampler_logps
+    m = batch.loss_mask
+    n = jnp.maximum(m.sum(), 1)
+    d = jnp.where(m, flat_logps_minus(logps, batch.sampler_logps), 0.0)  # trainer - sampler
+    k3 = jnp.where(m, jnp.expm1(d) - d, 0.0).sum() / n
+    extreme = jnp.where(m, jnp.abs(d) > jnp.log(2.0), False).sum() / n
+    adv = advantages.compute(
+        batch.rewards,
+        group_ids=batch.group_ids,
+        num_groups=sc.num_groups,
+        cfg=sc.advantage,
+        valid=batch.valid,
+        shaping=batch.shaping,
+    )
+    batch = batch.replace(
+        old_logps=logps,
+        old_entropies=ents,
+        ref_logps=ref,
+        advantages=adv.sequence_advantages,
+        zvp_sign=adv.zvp_sign,
+    )
+    metrics = {
+        "mismatch/k3_kl": k3,
+        "mismatch/extreme_token_frac": extreme,
+        "mismatch/abs_dlogp_mean": jnp.where(m, jnp.abs(d), 0.0).sum() / n,
+        "mismatch/router_agreement": agree.sum() / jnp.maximum(agree_n.sum(), 1),
+        "mismatch/unrecorded_routes": unrecorded.sum().astype(jnp.float32),
+        **adv.metrics,
+    }
+    return batch, metrics
+
+
+def flat_logps_minus(a, b):
+    """a - b with both clamped to the float32 range losses use (|.| <= 20 nats apart)."""
+    return jnp.clip(a - b, -losses.LOG_RATIO_CLAMP, losses.LOG_RATIO_CLAMP)
+
+
+def _micro_loss(sc: StepConfig, params, mb):
+    """(numerator + denominator * router aux loss, (LossOutput, aux)) of one micro-batch."""
+    tl = token_logps(
+        sc.model, params, mb.tokens, mb.attention_mask, **_routing(sc, mb),
+        temperature=sc.temperature, replay_missing="free",
+    )  # fmt: skip
+    pick = lambda source: select_entropies(
+        source, old=mb.old_entropies, sampler=mb.sampler_entropies, current=tl.entropies
+    )
+    adv = advantages.token_advantages(
+        mb.advantages,
+        mb.zvp_sign,
+        entropies=pick(sc.entropy.rl_zvp),
+        mask=mb.loss_mask,
+        alpha=sc.advantage.rl_zvp_alpha,
+    )  # [B, T]
+    out = losses.compute_loss(
+        sc.loss,
+        logps=tl.logps,
+        old_logps=mb.old_logps,
+        advantages=adv,
+        mask=mb.loss_mask,
+        entropies=pick(sc.entropy.espo) if sc.loss.name == "espo" else None,
+        ref_logps=mb.ref_logps if sc.loss.kl_coef > 0 else None,
+        finished=mb.finished,
+    )
+    # The router's aux loss weighted by this micro-batch's share of the denominator, so the
+    # accumulated objective is (sum num + sum den * aux) / sum den: exact over micro-batches.
+    return out.numerator + out.denominator * tl.aux.total, (out, tl.aux)
+
+
+def _combine(metrics: dict, weights: Array) -> dict:
+    """Per-micro-batch metrics [M] -> one value: counts summed, the rest weighted by tokens."""
+    total = jnp.maximum(weights.sum(), 1.0)
+    return {
+        k: v.sum() if k.startswith("num_") else (v * weights).sum() / total
+        for k, v in metrics.items()
+    }
+
+
+def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: TrainState, mini):
+    """One optimiser update on a mini-batch [M, micro, ...]: exact micro-batch accumulation.
+
+    The gradient is sum_m grad(numerator_m + den_m * aux_m) / sum_m den_m: the same as one
+    forward over the whole mini-batch (test_trainer checks it), whatever M is.
+    """
+    grad_fn = jax.grad(functools.partial(_micro_loss, sc), has_aux=True)
+
+    def body(acc, mb):
+        grads, (out, aux) = grad_fn(state.params, mb)
+        acc = jax.tree.map(jnp.add, acc, grads)
+        metrics = dict(out.metrics, numerator=out.numerator, denominator=out.denominator)
+        metrics["router_aux_loss"] = aux.total
+        return acc, metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, per_micro = jax.lax.scan(body, zeros, mini)
+    den = per_micro["denominator"].sum()
+    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        f"loss/{k}": v
+        for k, v in _combine(per_micro, per_micro["num_tokens"]).items()
+        if k not in ("numerator", "denominator")
+    }
+    metrics["loss/loss"] = per_micro["numerator"].sum() / jnp.maximum(den, 1.0)
+    metrics["optim/grad_norm"] = optax.global_norm(grads)
+    metrics["optim/update_norm"] = optax.global_norm(updates)
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return new, metrics
+
+
+def make_optimizer(
+    *,
+    learning_rate: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "cosine",
+    end_lr_ratio: float = 0.1,
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    max_grad_norm: float = 1.0,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup then cosine decay to end_lr_ratio (or constant), clipped."""
+    warmup = optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
+    rest = max(total_steps - warmup_steps, 1)
+    if schedule == "cosine":
+        after = optax.cosine_decay_schedule(learning_rate, rest, alpha=end_lr_ratio)
+    else:
+        after = optax.constant_schedule(learning_rate)
+    lr = optax.join_schedules([warmup, after], [warmup_steps]) if warmup_steps else after
+    chain = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
+    chain.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*chain), lr

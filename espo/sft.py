@@ -1,0 +1,63 @@
+"""The supervised warm start: token NLL of task demonstrations (prompt -> answer + stop id).
+
+A policy trained from scratch never succeeds, so RL would see only zero-variance groups; a short
+supervised phase on the demonstrations (the gold answers, in the format the verifier reads) gives
+it a non-zero pass rate. The loss is the mean NLL of the completion tokens (the prompt is
+context only), from `espo.train_step.token_logps` like every other log-prob.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from espo import sampler, train_step
+from espo.model import config as config_lib
+
+
+def demonstration_batch(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    prompt_length: int,
+    completion_length: int,
+    pad_id: int,
+) -> dict[str, np.ndarray]:
+    """tokens / attention_mask / loss_mask [B, Tp + Tc]: left-padded prompt, right-padded answer."""
+    for name, seqs, width in (
+        ("prompt", prompts, prompt_length),
+        ("completion", completions, completion_length),
+    ):
+        longest = max(len(s) for s in seqs)
+        if longest > width:
+            raise ValueError(f"a {name} has {longest} tokens; the batch holds {width}")
+    p, pm = sampler.left_pad(prompts, [len(x) for x in prompts], width=prompt_length, pad_id=pad_id)
+    c = np.full((len(completions), completion_length), pad_id, np.int32)
+    cm = np.zeros_like(c, bool)
+    for i, row in enumerate(completions):
+        c[i, : len(row)], cm[i, : len(row)] = row, True
+    return dict(
+        tokens=np.concatenate([p, c], 1),
+        attention_mask=np.concatenate([pm, cm], 1),
+        loss_mask=np.concatenate([np.zeros_like(pm), cm], 1),
+    )
+
+
+def nll(model: config_lib.ModelConfig, params: dict, batch: dict) -> jax.Array:
+    """Mean NLL over completion tokens (+ the router's aux loss)."""
+    tl = train_step.token_logps(model, params, batch["tokens"], batch["attention_mask"])
+    m = batch["loss_mask"]
+    loss = -jnp.where(m, tl.logps, 0.0).sum() / jnp.maximum(m.sum(), 1)
+    return loss + tl.aux.total
+
+
+@functools.partial(jax.jit, static_argnames=("model", "optimizer"), donate_argnums=(1, 2))
+def sft_step(model, params, opt_state, batch, *, optimizer: optax.GradientTransformation):
+    loss, grads = jax.value_and_grad(functools.partial(nll, model))(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss

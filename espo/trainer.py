@@ -1,0 +1,517 @@
+"""`train(config, workdir)`: the whole RL run in one readable file (in the style of big_vision).
+
+Sections: settings -> model and tokenizer -> data -> jitted steps -> resume or warm start ->
+the loop (curriculum stage -> prompts, pre-filtered -> adaptive G -> FP8 rollout with
+length-aware scheduling and overlapped rewards -> shaping -> zero-variance elimination ->
+old log-probs with router replay and advantages -> ppo_epochs of mini-batch updates -> metrics ->
+eval -> checkpoint) -> export and summary.
+
+Exactness: everything a step depends on is either in the checkpoint (params, optimizer state,
+the data iterator, the curriculum, the pass-rate history, the length predictor) or a pure
+function of (seed, step): the step's keys are `fold_in(key(seed), step)`. So a rerun of the same
+command after a kill -9 restores the newest checkpoint, truncates metrics.jsonl back to it, and
+continues exactly as an uninterrupted run (test_trainer checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+import shutil
+import time
+import zlib
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from absl import logging
+
+from espo import (
+    batching,
+    checkpoint,
+    curriculum,
+    evaluate,
+    metrics,
+    quant,
+    rollout,
+    sampler,
+    scheduling,
+    sft,
+    sharding,
+    train_step,
+    zero_variance,
+)
+from espo import config as config_lib
+from espo import model as model_lib
+from espo.data import examples as examples_lib
+from espo.data import sources
+from espo.data import stream as stream_lib
+from espo.data import tokenizer as tokenizer_lib
+from espo.rewards import pool as pool_lib
+from espo.rewards import shaping
+
+HOST_FORMAT = "espo.trainer.v1"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def _model(s: config_lib.Settings, key) -> tuple[model_lib.ModelConfig, dict]:
+    if s.hf_path:
+        return model_lib.load_hf_checkpoint(s.hf_path)
+    return s.model, model_lib.init(s.model, key)
+
+
+def _reward_fn(s: config_lib.Settings):
+    if s.data.source == "reasoning_gym":
+        from espo.rewards import gym
+
+        return gym.ReasoningGymReward()
+    from espo.rewards import math as math_reward
+
+    return math_reward.MathReward()
+
+
+def _buckets(max_prompt_length: int, max_new_tokens: int) -> scheduling.LengthBuckets:
+    top = lambda n: sorted(set(scheduling.geometric_buckets(min_size=min(8, n), max_size=n)) | {n})
+    return scheduling.LengthBuckets(
+        prompt_buckets=top(max_prompt_length), generation_buckets=top(max_new_tokens)
+    )
+
+
+@dataclasses.dataclass
+class _Host:
+    """The host-side state of a run (all JSON; checkpointed beside the arrays)."""
+
+    stream: stream_lib.PromptStream
+    curriculum: curriculum.CurriculumState
+    history: zero_variance.PassRateHistory
+    predictor: scheduling.LengthPredictor
+    start_eval: dict
+
+    def state_dict(self, model_cfg) -> dict:
+        return dict(
+            format=HOST_FORMAT,
+            model_config=_model_dict(model_cfg),
+            stream=self.stream.state_dict(),
+            curriculum=self.curriculum.state_dict(),
+            history=self.history.state_dict(),
+            predictor=self.predictor.state_dict(),
+            start_eval=self.start_eval,
+        )
+
+    def load(self, d: dict) -> None:
+        self.stream.load_state_dict(d["stream"])
+        self.curriculum = curriculum.CurriculumState.from_state_dict(d["curriculum"])
+        self.history = zero_variance.PassRateHistory.from_state_dict(d["history"])
+        self.predictor = scheduling.LengthPredictor.from_state_dict(d["predictor"])
+        self.start_eval = d["start_eval"]
+
+
+def _model_dict(model_cfg) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(model_cfg), default=str))
+
+
+def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
+    """Runs (or resumes) the RL run of `config`; returns the summary written to summary.json."""
+    t_start = time.perf_counter()
+    # ---- settings: every section validated before anything compiles --------------------------
+    s = config_lib.Settings.from_config(config)
+    if s.zve.max_carry_over_steps:
+        raise config_lib.ConfigError(
+            "--config.zve.max_carry_over_steps must be 0 in the trainer: carried-over groups "
+            "keep arrays of earlier steps that the checkpoint does not hold"
+        )
+    workdir = pathlib.Path(workdir or s.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+    root = jax.random.key(s.seed)
+
+    # ---- model and tokenizer ------------------------------------------------------------------
+    tok = tokenizer_lib.load_tokenizer(s.hf_path)
+    model_cfg, params = _model(s, jax.random.fold_in(root, 0))
+    tokenizer_lib.check_vocab(tok, model_cfg.vocab_size)
+    loss_cfg = s.loss_config(model_cfg.vocab_size)
+    handle = model_lib.Model(model_cfg)
+    stop = dict(stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+
+    # ---- data -----------------------------------------------------------------------------------
+    train_src, eval_src = sources.make_sources(s.data)
+    encoded: dict[str, list[int]] = {}
+    encode = lambda e: encoded.setdefault(e.id, tok.encode_prompt(e.prompt))
+    evals = [eval_src[i] for i in range(min(len(eval_src), s.eval_schedule.num_prompts))]
+    evals = [e for e in evals if len(encode(e)) <= s.max_prompt_length]
+    if not evals:
+        raise ValueError(f"no held-out prompt fits data.max_prompt_length={s.max_prompt_length}")
+    reward_fn = _reward_fn(s)
+    curr = s.curriculum
+    max_g = max(max(st.group_size for st in curr.stages), s.zve.max_group_size)
+    num_rows, mini_rows, micro_rows = s.train.batch_rows(max_g)
+    Tp, Tg = (
+        s.max_prompt_length,
+        _buckets(s.max_prompt_length, curr.max_new_tokens).generation_bucket(curr.max_new_tokens),
+    )
+
+    # ---- jitted steps: explicit shardings, donated state ----------------------------------------
+    mesh = sharding.make_mesh()
+    optimizer, lr_schedule = train_step.make_optimizer(
+        total_steps=s.train.steps * s.train.ppo_epochs * (num_rows // mini_rows),
+        **dataclasses.asdict(s.optimizer),
+    )
+    sc = train_step.StepConfig(
+        model=model_cfg,
+        loss=loss_cfg,
+        advantage=s.advantage,
+        entropy=train_step.EntropyConfig(espo=s.train.espo_entropy, rl_zvp=s.train.rl_zvp_entropy),
+        num_groups=s.train.prompts_per_step,
+        micro_batch_size=micro_rows,
+        router_replay=s.train.router_replay,
+        old_logps=s.train.old_logps,
+        temperature=s.rollout.temperature or 1.0,
+    )
+    rep = sharding.replicated(mesh)
+    prepare = jax.jit(functools.partial(train_step.prepare, sc), out_shardings=None)
+    update = jax.jit(
+        functools.partial(train_step.train_step, sc, optimizer),
+        donate_argnums=(0,),
+        out_shardings=(rep, rep),
+    )
+    fp8 = jax.jit(functools.partial(quant.quantize_fp8, keep_dtype=model_cfg.dtype))
+
+    # ---- resume, or warm start ------------------------------------------------------------------
+    # Resume order: 1. the newest checkpoint step; 2. its model config must match; 3. arrays
+    # (params, optimizer state, step); 4. host state (data iterator, curriculum, pass-rate
+    # history, length predictor, start eval); 5. metrics.jsonl truncated back to that step.
+    ckpt = checkpoint.Checkpointer(
+        workdir / "checkpoints", every_steps=s.checkpoint.every_steps, keep=s.checkpoint.keep
+    )
+    host = _Host(
+        stream=stream_lib.PromptStream(train_src, seed=s.seed),
+        curriculum=curriculum.CurriculumState(),
+        history=zero_variance.PassRateHistory(success_threshold=s.advantage.success_threshold),
+        predictor=scheduling.LengthPredictor(),
+        start_eval={},
+    )
+    make_state = lambda p: train_step.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=p,
+        opt_state=optimizer.init(p),
+        ref_params=p if loss_cfg.kl_coef > 0 else None,
+    )
+    latest = ckpt.latest_step()
+    evaluate_now = functools.partial(
+        _evaluate, handle, evals=evals, encode=encode, reward_fn=reward_fn, tok=tok, s=s, stop=stop
+    )
+    if latest is not None:
+        abstract = jax.eval_shape(make_state, params)
+        state, saved = ckpt.restore(latest, abstract_state=abstract)
+        checkpoint.check_model_config(saved["model_config"], _model_dict(model_cfg))
+        host.load(saved)
+        start_step = latest
+        logging.info("resumed from %s step %d", ckpt, latest)
+    else:
+        if s.sft.steps and not s.hf_path:
+            params = _warm_start(
+                s, model_cfg, params, train_src, tok, encode, Tp, curr, progress=progress
+            )
+        state = make_state(params)
+        host.start_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
+        start_step = 0
+        ckpt.save(0, state=state, host=host.state_dict(model_cfg), force=True)
+    metrics.truncate_jsonl(workdir / "metrics.jsonl", last_step=start_step)
+    log = metrics.MetricsLogger(
+        workdir, total_steps=s.train.steps, start_step=start_step, progress=progress
+    )
+    if latest is None:
+        log.write(0, host.start_eval)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    pool = pool_lib.RewardPool(
+        reward_fn,
+        num_workers=s.rollout.reward_workers,
+        timeout_s=s.rollout.reward_timeout_s,
+        detokenize=tok.decode,
+    )
+    timer = metrics.PhaseTimer()
+    final_eval = host.start_eval
+    try:
+        for step in range(start_step, s.train.steps):
+            timer.reset()
+            t0 = time.perf_counter()
+            key = jax.random.fold_in(jax.random.fold_in(root, 2), step)
+            stage = curr.stage(host.curriculum)
+            with timer.phase("rollout"):
+                params_r = fp8(state.params) if s.rollout.fp8 else state.params
+                gen = _Generator(s=s, stage=stage, handle=handle, params=params_r, pool=pool,
+                                 host=host, encode=encode, stop=stop, key=key)  # fmt: skip
+                zcfg = dataclasses.replace(
+                    s.zve,
+                    group_size=stage.group_size,
+                    max_group_size=max(stage.group_size, s.zve.max_group_size),
+                )
+                fill = zero_variance.fill_batch(
+                    prompts=_prompts(s, curr, host, encode, stage_seed=step),
+                    generate=gen,
+                    batch_size=s.train.prompts_per_step,
+                    group_size=functools.partial(_group_sizes, zcfg, host.history),
+                    config=zcfg,
+                    history=host.history,
+                    id_fn=lambda e: e.id,
+                )
+            if not fill.groups:
+                raise RuntimeError(
+                    f"step {step}: no prompt left for stage {stage.name!r} after filtering "
+                    f"(data exhausted or every prompt pre-filtered); metrics {fill.metrics}"
+                )
+            with timer.phase("old_logps"):
+                batch = gen.train_batch(fill.groups, num_rows=num_rows, Tp=Tp, Tg=Tg)
+                batch = sharding.put_batch(batch, mesh)
+                batch, prep = prepare(state.params, state.ref_params, batch)
+                prep = jax.device_get(prep)
+            if prep["mismatch/unrecorded_routes"]:
+                raise RuntimeError(
+                    f"step {step}: {prep['mismatch/unrecorded_routes']} tokens had no recorded "
+                    "expert to replay"
+                )
+            with timer.phase("update"):
+                step_metrics = []
+                for mini in batching.minibatches(
+                    batch, mini_batch_size=mini_rows, micro_batch_size=micro_rows,
+                    epochs=s.train.ppo_epochs, key=jax.random.fold_in(key, 1),
+                ):  # fmt: skip
+                    state, m = update(state, mini)
+                    step_metrics.append(m)
+                step_metrics = jax.device_get(step_metrics)
+            out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
+            out.update({k: float(v) for k, v in prep.items()})
+            out.update(fill.metrics)
+            out.update(gen.metrics())
+            out["zve/zvp_rate"] = out.get("zve/rollout_zvp_rate", 0.0)
+            out["optim/lr"] = float(lr_schedule(int(state.step) - 1))
+            metrics.check_finite(step + 1, out, ["loss/loss", "optim/grad_norm"])
+            host.curriculum, cm = curr.update(host.curriculum, train_accuracy=out["train/accuracy"])
+            out.update(cm)
+            done = step + 1
+            if done == s.train.steps or (
+                s.eval_schedule.every_steps and done % s.eval_schedule.every_steps == 0
+            ):
+                with timer.phase("eval"):
+                    final_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
+                out.update(final_eval)
+            if ckpt.should_save(done) or done == s.train.steps:
+                with timer.phase("checkpoint"):
+                    ckpt.save(done, state=state, host=host.state_dict(model_cfg), force=True)
+            out.update(timer.metrics())
+            out["perf/step_s"] = time.perf_counter() - t0
+            out["perf/tokens_per_s"] = out.get("train/generated_tokens", 0.0) / out["perf/step_s"]
+            log.write(done, out)
+    finally:
+        pool.close()
+        log.close()
+        ckpt.close()
+    return _finish(s, workdir, host, final_eval, handle, state, tok, time.perf_counter() - t_start)
+
+
+class _Generator:
+    """The `generate` callback of `zero_variance.fill_batch` for one step: rollouts -> Groups.
+
+    Each call samples and scores with `rollout.generate_and_score`, shapes the rewards, and keeps
+    the arrays; a Group's payload is (call index, rows). `train_batch` then gathers the rows of
+    the groups the ZVE stage kept into the fixed-shape `TrainBatch`.
+    """
+
+    def __init__(self, *, s, stage, handle, params, pool, host, encode, stop, key):
+        self.s, self.stage, self.handle, self.params, self.pool = s, stage, handle, params, pool
+        self.host, self.encode, self.key = host, encode, key
+        self.parts: list[tuple[rollout.RolloutResult, np.ndarray]] = []
+        self.config = rollout.RolloutConfig(
+            sampling=sampler.SamplingParams(
+                max_new_tokens=stage.max_new_tokens,
+                temperature=s.rollout.temperature,
+                top_p=s.rollout.top_p,
+                top_k=s.rollout.top_k,
+                **stop,
+            ),
+            buckets=_buckets(s.max_prompt_length, stage.max_new_tokens),
+            max_chunk_size=s.rollout.max_chunk_size,
+            schedule=s.rollout.schedule,
+        )
+        r = s.reward
+        self.shaping = shaping.ShapingConfig(
+            overlong_weight=r.overlong_weight,
+            max_length=stage.max_new_tokens,
+            cache_length=max(1, int(round(stage.max_new_tokens * r.overlong_cache_fraction))),
+            repetition_weight=r.repetition_weight,
+            ngram_size=r.ngram_size,
+            repetition_threshold=r.repetition_threshold,
+        )
+
+    def __call__(
+        self, exs: list[examples_lib.Example], sizes: np.ndarray
+    ) -> list[zero_variance.Group]:
+        index = len(self.parts)
+        res = rollout.generate_and_score(
+            self.handle,
+            self.params,
+            prompts=[self.encode(e) for e in exs],
+            prompt_texts=[e.prompt for e in exs],
+            metas=[e.meta for e in exs],
+            group_sizes=[int(g) for g in sizes],
+            key=jax.random.fold_in(self.key, index),
+            config=self.config,
+            reward_pool=self.pool,
+            predictor=self.host.predictor,
+            prompt_ids=[e.id for e in exs],
+        )
+        r = res.rollout
+        verifier = np.asarray(r.rewards, np.float32)
+        rep = self.shaping.repetition_weight > 0
+        shaped, _ = shaping.shape_rewards(
+            np.nan_to_num(verifier), lengths=np.asarray(r.lengths),
+            token_ids_or_texts=np.asarray(r.tokens) if rep else None, cfg=self.shaping,
+        )  # fmt: skip
+        self.parts.append((res, shaped))
+        groups = []
+        for p, e in enumerate(exs):
+            rows = np.flatnonzero(np.asarray(r.group_ids) == p)
+            groups.append(
+                zero_variance.Group(
+                    prompt_id=e.id,
+                    rewards=shaped[rows],
+                    raw_rewards=verifier[rows],
+                    valid=np.asarray(r.reward_ok)[rows],
+                    payload=(index, rows),
+                )
+            )
+        return groups
+
+    def train_batch(self, groups, *, num_rows: int, Tp: int, Tg: int) -> batching.TrainBatch:
+        parts, gids = [], []
+        for gi, g in enumerate(groups):
+            index, rows = g.payload
+            res, shaped = self.parts[index]
+            parts.append((res.rollout, rows, shaped[rows]))
+            gids.append(np.full(len(rows), gi, np.int32))
+        return batching.make_train_batch(
+            parts, group_ids=gids, num_rows=num_rows, prompt_length=Tp, generation_length=Tg,
+            pad_id=self.config.sampling.pad_id,
+        )  # fmt: skip
+
+    def metrics(self) -> dict[str, float]:
+        """train/* over every generated row; rollout/* timings summed over calls, rest averaged."""
+        rs = [res.rollout for res, _ in self.parts]
+        ok = np.concatenate([np.asarray(r.reward_ok, bool) for r in rs])
+        verifier = np.concatenate([np.asarray(r.rewards, np.float32) for r in rs])[ok]
+        shaped = np.concatenate([s for _, s in self.parts])[ok]
+        lengths = np.concatenate([np.asarray(r.lengths) for r in rs])
+        thr = self.s.advantage.success_threshold
+        out = {
+            "train/reward_mean": float(verifier.mean()) if verifier.size else 0.0,
+            "train/accuracy": float((verifier > thr).mean()) if verifier.size else 0.0,
+            "train/shaped_reward_mean": float(shaped.mean()) if shaped.size else 0.0,
+            "train/response_length": float(lengths.mean()),
+            "train/generated_tokens": float(lengths.sum()),
+            "train/rollouts": float(lengths.size),
+        }
+        keys = {k for res, _ in self.parts for k in res.metrics}
+        for k in keys:
+            vals = [res.metrics[k] for res, _ in self.parts if k in res.metrics]
+            out[k] = float(np.sum(vals) if k.endswith("_s") else np.mean(vals))
+        return out
+
+
+def _group_sizes(zcfg, history, exs) -> np.ndarray:
+    """Adaptive G of each prompt from its online pass rate (group_size when unknown)."""
+    return zcfg.group_sizes(history.pass_rates([e.id for e in exs]))
+
+
+def _prompts(s, curr, host: _Host, encode, *, stage_seed: int) -> Iterator[examples_lib.Example]:
+    """Training prompts of the current stage, pre-filtered on the online pass-rate history."""
+    z = s.zve
+
+    def accept(e: examples_lib.Example) -> bool:
+        if len(encode(e)) > s.max_prompt_length:
+            return False
+        rate = float(host.history.pass_rates([e.id])[0])
+        known = not np.isnan(rate)
+        if not curr.accepts(host.curriculum, e.difficulty, rate if known else None):
+            return False
+        if z.prefilter == "off" or not known or z.prefilter_low < rate < z.prefilter_high:
+            return True
+        if z.prefilter == "drop":
+            return False
+        u = zlib.crc32(f"{e.id}:{stage_seed}".encode()) / 2**32  # deterministic coin
+        return u < z.prefilter_downweight
+
+    while True:
+        got = host.stream.take(1, accept=accept)
+        if not got:
+            return
+        yield got[0]
+
+
+def _warm_start(s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progress: bool):
+    """`sft.steps` of token NLL on demonstrations drawn from every level (its own stream)."""
+    stream = stream_lib.PromptStream(train_src, seed=s.seed + 1)
+    opt, _ = train_step.make_optimizer(
+        learning_rate=s.sft.learning_rate, total_steps=s.sft.steps, warmup_steps=s.sft.warmup_steps
+    )
+    opt_state = opt.init(params)
+    width = curr.max_new_tokens
+    fits = lambda e: len(encode(e)) <= Tp and len(tok.encode_completion(e.answer)) <= width
+    bar = tqdm.tqdm(total=s.sft.steps, desc="warm start (SFT)", disable=not progress)
+    for _ in range(s.sft.steps):
+        exs = stream.take(s.sft.batch_size, accept=fits)
+        batch = sft.demonstration_batch(
+            [encode(e) for e in exs], [tok.encode_completion(e.answer) for e in exs],
+            prompt_length=Tp, completion_length=width, pad_id=tok.pad_id,
+        )  # fmt: skip
+        params, opt_state, loss = sft.sft_step(model_cfg, params, opt_state, batch, optimizer=opt)
+        bar.update(1)
+        bar.set_postfix(nll=f"{float(loss):.3f}")
+    bar.close()
+    return params
+
+
+def _evaluate(handle, params, key, *, evals, encode, reward_fn, tok, s, stop) -> dict:
+    return evaluate.evaluate(
+        handle,
+        params,
+        prompts=[encode(e) for e in evals],
+        metas=[e.meta for e in evals],
+        prompt_texts=[e.prompt for e in evals],
+        reward_fn=reward_fn,
+        detokenize=tok.decode,
+        key=key,
+        cfg=s.eval,
+        sampling_kw=stop,
+    )
+
+
+def _finish(s, workdir, host, final_eval, handle, state, tok, wall_s) -> dict:
+    """summary.json, plots, the Hugging Face export, and the before/after table."""
+    from espo import plots
+
+    summary = dict(start=host.start_eval, final=final_eval, steps=s.train.steps, wall_s=wall_s)
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_files = plots.plot_run(workdir)
+    export = None
+    if s.hf_path:
+        export = workdir / "export"
+        if not export.exists():
+            model_lib.save_hf_checkpoint(handle.cfg, jax.device_get(state.params), export)
+            for name in TOKENIZER_FILES:
+                if (pathlib.Path(s.hf_path) / name).exists():
+                    shutil.copy(pathlib.Path(s.hf_path) / name, export / name)
+    rows = [(k, host.start_eval.get(k), final_eval.get(k)) for k in sorted(final_eval)]
+    table = ["| metric | start | final |", "|---|---|---|"]
+    table += [f"| {k} | {a:.3f} | {b:.3f} |" for k, a, b in rows if a is not None]
+    print("\n".join(table))
+    print(f"logs: {workdir / 'metrics.jsonl'}  tensorboard: {workdir / 'tensorboard'}")
+    print(f"plots: {workdir / 'plots'} ({len(plot_files)} files)")
+    print(f"checkpoints: {workdir / 'checkpoints'}")
+    if export is not None:
+        print(f"export (Hugging Face format): {export}")
+    return summary

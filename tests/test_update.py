@@ -1,0 +1,167 @@
+"""The trainer's jitted steps: exact micro-batch accumulation, router replay, prepare's metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from espo import advantages, batching, losses, train_step, types
+from espo import model as model_lib
+
+CFG = model_lib.ModelConfig(
+    vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+    num_experts=4, top_k=2, moe_ffn_dim=16, aux_loss_coef=0.01,
+)  # fmt: skip
+TP, TG, N = 4, 6, 8
+
+
+def _batch(seed: int = 0) -> batching.TrainBatch:
+    """A non-degenerate batch: ragged prompts and completions, a router trace from a forward."""
+    rng = np.random.default_rng(seed)
+    params = model_lib.init(CFG, jax.random.key(seed))
+    tokens = rng.integers(2, CFG.vocab_size, (N, TP + TG)).astype(np.int32)
+    plen = rng.integers(1, TP + 1, N)
+    clen = rng.integers(1, TG + 1, N)
+    pos = np.arange(TP + TG)
+    attn = ((pos >= TP - plen[:, None]) & (pos < TP)) | ((pos >= TP) & (pos < TP + clen[:, None]))
+    loss_mask = (pos >= TP) & (pos < TP + clen[:, None])
+    valid = np.ones(N, bool)
+    valid[1] = False  # a failed reward: no loss token, so micro-batch denominators differ
+    loss_mask &= valid[:, None]
+    out = model_lib.forward(CFG, params, jnp.asarray(tokens), attention_mask=jnp.asarray(attn))
+    ids = np.where(attn[:, None, :, None], np.asarray(out.router.expert_ids), -1)
+    logps = np.asarray(train_step.token_logps(CFG, params, tokens, attn).logps)
+    noise = rng.normal(0, 0.1, logps.shape).astype(np.float32)
+    return batching.TrainBatch(
+        tokens=tokens,
+        attention_mask=attn,
+        loss_mask=loss_mask,
+        router=types.RouterTrace(expert_ids=ids.astype(np.int32), expert_weights=np.zeros(ids.shape, np.float32)),
+        sampler_logps=np.where(loss_mask, logps + noise, 0.0).astype(np.float32),
+        sampler_entropies=np.where(loss_mask, rng.uniform(0, 2, logps.shape), 0.0).astype(np.float32),
+        finished=rng.random(N) < 0.7,
+        group_ids=np.repeat(np.arange(N // 4), 4).astype(np.int32),
+        rewards=rng.integers(0, 2, N).astype(np.float32),
+        shaping=rng.uniform(-0.2, 0, N).astype(np.float32),
+        valid=valid,
+        old_logps=np.where(loss_mask, logps - noise, 0.0).astype(np.float32),
+        old_entropies=np.where(loss_mask, rng.uniform(0, 2, logps.shape), 0.0).astype(np.float32),
+        ref_logps=np.zeros(logps.shape, np.float32),
+        advantages=rng.normal(0, 1, N).astype(np.float32),
+        zvp_sign=np.array([0, 0, 1, 1, 0, -1, 0, 0], np.int32),
+    ), params  # fmt: skip
+
+
+def _sc(micro: int, *, name: str = "espo", replay: bool = True, model=CFG) -> train_step.StepConfig:
+    return train_step.StepConfig(
+        model=model,
+        loss=losses.LossConfig(name=name, vocab_size=CFG.vocab_size),
+        advantage=advantages.AdvantageConfig(rl_zvp=True),
+        entropy=train_step.EntropyConfig(),
+        num_groups=N // 4,
+        micro_batch_size=micro,
+        router_replay=replay,
+    )
+
+
+def _update(sc, params, batch):
+    opt = optax.sgd(1.0)
+    state = train_step.TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params)
+    )
+    mini = batching.split(batch, N // sc.micro_batch_size)
+    return jax.jit(lambda st, mb: train_step.train_step(sc, opt, st, mb))(state, mini)
+
+
+@pytest.mark.parametrize("name", ["espo", "grpo", "gspo"])
+def test_micro_batches_accumulate_exactly(name):
+    """One update over 8 rows equals 4 micro-batches of 2 (sum num / sum den, not a mean).
+
+    The router's load-balancing loss is a product of batch means, not a sum over rows, so it is
+    off here (with it on, micro-batches weight it per micro-batch: a 6e-5 difference)."""
+    batch, params = _batch()
+    cfg = dataclasses.replace(CFG, aux_loss_coef=0.0)
+    whole, m1 = _update(_sc(N, name=name, model=cfg), params, batch)
+    parts, m4 = _update(_sc(2, name=name, model=cfg), params, batch)
+    chex.assert_trees_all_close(whole.params, parts.params, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(m1["loss/loss"], m4["loss/loss"], rtol=1e-5, atol=1e-7)
+    assert float(m1["optim/grad_norm"]) > 0
+    # A mean of per-micro-batch losses (the classic accumulation bug) differs here.
+    sc = _sc(2, name=name, model=cfg)
+    outs = [
+        train_step._micro_loss(sc, params, jax.tree.map(lambda x: x[i], batching.split(batch, 4)))[
+            1
+        ][0]
+        for i in range(4)
+    ]  # noqa: B023
+    assert abs(np.mean([o.loss for o in outs]) - float(m1["loss/loss"])) > 1e-4
+
+
+def test_update_gradient_matches_loss_by_hand():
+    """The SGD step is -grad of (sum num + sum den * aux) / sum den computed directly."""
+    batch, params = _batch(1)
+    sc = _sc(N)
+    new, _ = _update(sc, params, batch)
+
+    def objective(p):
+        value, (out, _) = train_step._micro_loss(sc, p, batch)
+        return value / out.denominator
+
+    grads = jax.grad(objective)(params)
+    expected = jax.tree.map(lambda p, g: p - g, params, grads)
+    chex.assert_trees_all_close(new.params, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_router_replay_changes_the_update():
+    """With replay the update forward routes by the trace; a different trace changes it."""
+    batch, params = _batch(2)
+    a, _ = _update(_sc(N), params, batch)
+    shifted = batch.replace(router=batch.router.replace(expert_ids=np.where(batch.router.expert_ids >= 0, (batch.router.expert_ids + 1) % CFG.num_experts, -1)))  # fmt: skip
+    b, _ = _update(_sc(N), params, shifted)
+    free_a, _ = _update(_sc(N, replay=False), params, batch)
+    free_b, _ = _update(_sc(N, replay=False), params, shifted)
+    diff = lambda x, y: max(float(jnp.abs(u - v).max()) for u, v in zip(jax.tree.leaves(x.params), jax.tree.leaves(y.params), strict=True))  # fmt: skip
+    assert diff(a, b) > 1e-6
+    assert diff(free_a, free_b) == 0.0  # free routing ignores the trace
+
+
+def test_prepare_mismatch_and_advantages():
+    """pi_old under replay of the model's own routes = its free forward; mismatch by hand."""
+    batch, params = _batch(3)
+    sc = _sc(4)
+    out, m = jax.jit(lambda p, b: train_step.prepare(sc, p, None, b))(params, batch)
+    ref = train_step.token_logps(CFG, params, batch.tokens, batch.attention_mask)
+    np.testing.assert_allclose(out.old_logps, ref.logps, atol=1e-5)
+    np.testing.assert_allclose(float(m["mismatch/router_agreement"]), 1.0, atol=1e-6)
+    d = np.where(batch.loss_mask, np.asarray(ref.logps) - batch.sampler_logps, 0.0)
+    k3 = (np.expm1(d) - d)[batch.loss_mask].mean()
+    np.testing.assert_allclose(float(m["mismatch/k3_kl"]), k3, rtol=1e-4)
+    frac = (np.abs(d) > np.log(2))[batch.loss_mask].mean()
+    np.testing.assert_allclose(float(m["mismatch/extreme_token_frac"]), frac, atol=1e-6)
+    adv = advantages.compute(batch.rewards, group_ids=batch.group_ids, num_groups=2, cfg=sc.advantage, valid=batch.valid, shaping=batch.shaping)  # fmt: skip
+    np.testing.assert_allclose(out.advantages, adv.sequence_advantages, atol=1e-6)
+    # Another model's routes: agreement drops below 1.
+    other = model_lib.init(CFG, jax.random.key(99))
+    _, m2 = jax.jit(lambda p, b: train_step.prepare(sc, p, None, b))(other, batch)
+    assert float(m2["mismatch/router_agreement"]) < 0.95
+
+
+def test_prepare_sampler_old_logps():
+    batch, params = _batch(4)
+    sc = dataclasses.replace(_sc(4), old_logps="sampler")
+    out, _ = jax.jit(lambda p, b: train_step.prepare(sc, p, None, b))(params, batch)
+    np.testing.assert_array_equal(out.old_logps, batch.sampler_logps)
+
+
+def test_optimizer_schedule():
+    opt, lr = train_step.make_optimizer(
+        learning_rate=1.0, total_steps=110, warmup_steps=10, end_lr_ratio=0.1
+    )
+    assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(0.5)
+    assert float(lr(10)) == pytest.approx(1.0) and float(lr(110)) == pytest.approx(0.1)
