@@ -1,30 +1,36 @@
 """Prefill + `lax.while_loop` decode with the KV cache: tokens, log-probs, entropies, routing.
 
 `sample` pads prompts (left) to a prompt bucket and the generation budget to a generation bucket,
-then runs one jitted function per (batch, prompt bucket, generation bucket, G, sampling settings),
-so a whole run compiles a bounded number of times (`compile_count()`).
+then runs one jitted function per (model, batch, prompt bucket, generation bucket, G, decoding
+settings), so a whole run compiles a bounded number of times (`compile_count()`).
 
 Conventions (what the trainer relies on):
   * Rows are B*G, the G samples of one prompt adjacent (row = prompt * G + sample).
+  * A row finishes when it emits ANY of `SamplingParams.stop_ids` (a model may have several:
+    Qwen3 stops at <|im_end|> and <|endoftext|>), or when it has generated `max_new_tokens`.
   * `logps[i, t]` is the log-probability of the sampled token under the temperature-scaled
     distribution softmax(logits / temperature), *before* top-p / top-k truncation (the policy's
-    own probability, as the trainer recomputes it); `entropies[i, t]` is the full-vocabulary
-    entropy of that same distribution. With temperature == 0 (greedy) both use temperature 1.
-  * `mask[i, t]` is True for the sampled tokens, EOS included; `lengths = mask.sum(-1)`.
+    own probability, as the trainer recomputes it with `espo.train_step.token_logps`);
+    `entropies[i, t]` is the full-vocabulary entropy of that same distribution. With
+    temperature == 0 (greedy) both use temperature 1.
+  * `mask[i, t]` is True for the sampled tokens, the stop token included; `lengths =
+    mask.sum(-1)`. Tokens after the stop are `pad_id`.
   * `router` covers [prompt bucket + generation bucket] positions in the layout of
     `training_inputs`: left-padded prompt, then the completion. Position p holds the experts that
     routed the token *at* p (prefill for prompt tokens, the decode step that consumed the token
     for completion tokens); padding holds -1. A training forward over `training_inputs` with
     `RoutingMode.REPLAY_IDS` therefore uses exactly the rollout's experts.
   * The sampler sees the model only through the `SamplingModel` protocol (`forward` and
-    `init_cache`), so a fake model tests it exactly; `EspoModel` wraps the real transformer.
-    Params may be float or FP8-quantized (`espo.quant.quantize_fp8`) transparently.
+    `init_cache`), so a fake model tests it exactly; `espo.model.Model` is the real one (a bare
+    `ModelConfig` is wrapped in it). Params may be float or FP8-quantized
+    (`espo.quant.quantize_fp8`) transparently.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -36,68 +42,65 @@ from jaxtyping import Array, Bool, Float, Int
 
 from espo import scheduling, types
 from espo.model import config as config_lib
-from espo.model import layers, transformer
+from espo.model import handle, layers, transformer
 
 DEFAULT_BUCKETS = scheduling.LengthBuckets(
     prompt_buckets=scheduling.geometric_buckets(min_size=16, max_size=8192),
     generation_buckets=scheduling.geometric_buckets(min_size=16, max_size=32768),
 )
 
-_NUM_TRACES = 0  # incremented each time the jitted sampler is traced (= compiled)
+SampleOutput = types.SampleOutput  # what `sample` and `sample_chunk` return
 
 
-def compile_count() -> int:
-    """How many times the jitted sampling function has been traced (compiled) so far."""
-    return _NUM_TRACES
-
-
-@flax.struct.dataclass
-class SampleOutput:
-    """G completions per prompt, batch-leading over B*G rows (see the module docstring)."""
-
-    prompt_tokens: Int[Array, "R Tp"]  # left-padded to the prompt bucket
-    prompt_mask: Bool[Array, "R Tp"]
-    tokens: Int[Array, "R Tg"]  # completions, pad after EOS; Tg = generation bucket
-    mask: Bool[Array, "R Tg"]
-    lengths: Int[Array, " R"]
-    finished: Bool[Array, " R"]  # emitted EOS (False: stopped by the budget)
-    num_steps: Int[Array, " "]  # decode steps the chunk ran
-    logps: Float[Array, "R Tg"]
-    entropies: Float[Array, "R Tg"]
-    router: types.RouterTrace  # [R, L, Tp + Tg, K]
-
-    @property
-    def num_rows(self) -> int:
-        return self.tokens.shape[0]
-
-    def training_inputs(self) -> tuple[Int[Array, "R T"], Bool[Array, "R T"]]:
-        """(tokens, attention_mask) [R, Tp + Tg]: prompt then completion, as the trace."""
-        return types.prompt_then_completion(
-            self.prompt_tokens, self.prompt_mask, self.tokens, self.mask
-        )
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How completions are sampled (names as in vLLM / verl rollout configs)."""
+    """How completions are sampled (names as in vLLM / verl rollout configs).
+
+    `stop_ids` is a non-empty tuple of distinct token ids >= 0 (a list is accepted and stored as
+    a tuple); a row finishes at the first of them it emits. An id outside the vocabulary is
+    allowed and never fires (`stop_ids=(vocab_size,)` generates exactly max_new_tokens).
+    `pad_id` may be one of the stop ids (Qwen3's pad token is its <|endoftext|> stop token):
+    completions are delimited by `lengths` / `mask`, never by looking for padding.
+    """
 
     max_new_tokens: int  # hard cap on completion length (the only truncation)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass kept
     top_k: int = 0  # 0 = no top-k truncation
-    eos_id: int  # end-of-sequence token
-    pad_id: int  # padding token
+    stop_ids: tuple[int, ...]  # a row finishes when it emits any of these
+    pad_id: int  # padding token (prompts' left padding, completions after the stop)
 
     def __post_init__(self):
+        stop = self.stop_ids
+        if isinstance(stop, list | tuple) and all(_is_int(i) for i in stop):
+            object.__setattr__(self, "stop_ids", tuple(int(i) for i in stop))
         checks = {
-            "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
-            "temperature": (self.temperature >= 0, ">= 0"),
-            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
-            "top_k": (self.top_k >= 0, ">= 0"),
+            "max_new_tokens": (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, ">= 1"),
+            "temperature": (
+                isinstance(self.temperature, numbers.Real) and self.temperature >= 0,
+                "a float >= 0 (0: greedy)",
+            ),
+            "top_p": (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1, "in (0, 1]"),
+            "top_k": (_is_int(self.top_k) and self.top_k >= 0, "an int >= 0 (0: no top-k)"),
+            "stop_ids": (
+                isinstance(self.stop_ids, tuple)
+                and len(self.stop_ids) >= 1
+                and all(_is_int(i) and i >= 0 for i in self.stop_ids)
+                and len(set(self.stop_ids)) == len(self.stop_ids),
+                "a non-empty tuple of distinct token ids >= 0, e.g. (eos_id,)",
+            ),
+            "pad_id": (_is_int(self.pad_id) and self.pad_id >= 0, "a token id >= 0"),
         }
         for field, (ok, valid) in checks.items():
             if not ok:
-                raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {valid}")
+                raise ValueError(
+                    f"SamplingParams.{field}={getattr(self, field)!r} is invalid: {valid}"
+                )
+        object.__setattr__(self, "pad_id", int(self.pad_id))
 
 
 class SamplingModel(Protocol):
@@ -111,27 +114,19 @@ class SamplingModel(Protocol):
     def init_cache(self, *, batch: int, max_length: int) -> layers.KVCache: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class EspoModel:
-    """The espo transformer as a `SamplingModel`."""
-
-    cfg: config_lib.ModelConfig
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
-    @property
-    def top_k(self) -> int:
-        return self.cfg.top_k
-
-    def forward(self, params, tokens, *, attention_mask, cache):
-        return transformer.forward(
-            self.cfg, params, tokens, attention_mask=attention_mask, cache=cache
+def sampling_model(model: handle.Model | SamplingModel | config_lib.ModelConfig) -> SamplingModel:
+    """`model` as a `SamplingModel`: a `ModelConfig` becomes `espo.model.Model(cfg)`; anything
+    else must have the protocol's attributes (checked here, not deep inside a trace)."""
+    if isinstance(model, config_lib.ModelConfig):
+        return handle.Model(model)
+    missing = [a for a in ("num_layers", "top_k", "forward", "init_cache") if not hasattr(model, a)]
+    if missing:
+        raise TypeError(
+            f"model={model!r} is not a SamplingModel (missing {missing}): pass an "
+            "espo.model.Model, a ModelConfig, or an object with num_layers, top_k, "
+            "forward(params, tokens, *, attention_mask, cache) and init_cache(*, batch, max_length)"
         )
-
-    def init_cache(self, *, batch, max_length):
-        return layers.init_cache(self.cfg, batch=batch, max_length=max_length)
+    return model
 
 
 @flax.struct.dataclass
@@ -191,6 +186,11 @@ def choose_tokens(logits, key, *, temperature: float, top_p: float, top_k: int):
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0], entropy
 
 
+def _is_stop(token: Int[Array, " R"], stop_ids: tuple[int, ...]) -> Bool[Array, " R"]:
+    """Whether each token is one of the stop ids (a few static comparisons)."""
+    return functools.reduce(jnp.logical_or, [token == i for i in stop_ids])
+
+
 @flax.struct.dataclass
 class Prefix:
     """Completions already generated for each row (a continuation chunk), right-padded."""
@@ -201,12 +201,15 @@ class Prefix:
     entropies: Float[Array, "R Tg"]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("model", "num_samples", "gen_len", "temperature", "top_p", "top_k", "ids"),
-)
+def compile_count() -> int:
+    """How many sampling functions have been compiled so far (one per distinct model, shapes
+    and decoding settings). Read from the jitted function's cache: nothing is counted while
+    tracing; `jax.clear_caches()` resets it."""
+    return _sample_chunk._cache_size()
+
+
 def sample_chunk(
-    model: SamplingModel,
+    model: handle.Model | SamplingModel | config_lib.ModelConfig,
     params,
     prompts: Int[Array, "B Tp"],
     prompt_mask: Bool[Array, "B Tp"],
@@ -216,21 +219,53 @@ def sample_chunk(
     *,
     num_samples: int,
     gen_len: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    ids: tuple[int, int],
+    sampling: SamplingParams,
 ) -> SampleOutput:
     """One compiled chunk: left-padded prompts [B, Tp] -> B*G rows of at most `budget` tokens.
+
+    `sampling` gives the decoding settings (temperature, top-p, top-k, stop and pad ids); its
+    `max_new_tokens` is not used here: `budget` (a traced scalar, so budgets share a compile)
+    caps this chunk, and `gen_len` (static) is the buffer length.
 
     With a `prefix` (num_samples must be 1) each row continues its already generated tokens:
     the prefill covers prompt + prefix and generation resumes at the row's prefix length; the
     output holds prefix + new tokens, and the trace of the prefix positions comes from that
-    prefill. A row stops at EOS or when its total generated length reaches `budget`.
+    prefill. A row stops at a stop id or when its total generated length reaches `budget`.
     """
-    global _NUM_TRACES
-    _NUM_TRACES += 1  # runs only while tracing
-    eos_id, pad_id = ids
+    if prefix is not None and num_samples != 1:
+        raise ValueError(f"a prefix (continuation) needs num_samples=1, got {num_samples}")
+    return _sample_chunk(
+        sampling_model(model), params, prompts, prompt_mask, key, budget, prefix,
+        num_samples=num_samples, gen_len=gen_len, temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p), top_k=int(sampling.top_k), stop_ids=sampling.stop_ids,
+        pad_id=sampling.pad_id,
+    )  # fmt: skip
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "model", "num_samples", "gen_len", "temperature", "top_p", "top_k", "stop_ids", "pad_id"
+    ),
+)  # fmt: skip
+def _sample_chunk(
+    model: SamplingModel,
+    params,
+    prompts: Int[Array, "B Tp"],
+    prompt_mask: Bool[Array, "B Tp"],
+    key: jax.Array,
+    budget: Int[Array, " "],
+    prefix: Prefix | None,
+    *,
+    num_samples: int,
+    gen_len: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    stop_ids: tuple[int, ...],
+    pad_id: int,
+) -> SampleOutput:
+    """`sample_chunk` with the decoding settings as hashable statics (one compile per value)."""
     B, Tp = prompts.shape
     G, R, L, K = num_samples, prompts.shape[0] * num_samples, model.num_layers, model.top_k
     rep = lambda a: jnp.repeat(a, G, axis=0)
@@ -240,8 +275,6 @@ def sample_chunk(
         inputs, input_mask, cache_len = prompts, prompt_mask, Tp + gen_len
         start = jnp.zeros((R,), jnp.int32)
     else:
-        if G != 1:
-            raise ValueError(f"a prefix (continuation) needs num_samples=1, got {G}")
         start = prefix.lengths.astype(jnp.int32)
         inputs = jnp.concatenate([prompts, prefix.tokens], axis=1)  # [R, Tp + Tg]
         input_mask = jnp.concatenate([prompt_mask, steps[None] < start[:, None]], axis=1)
@@ -289,7 +322,7 @@ def sample_chunk(
             tokens=s.tokens.at[rows, at].set(jnp.where(live, token, s.tokens[rows, at])),
             logps=s.logps.at[rows, at].set(jnp.where(live, logp, s.logps[rows, at])),
             entropies=s.entropies.at[rows, at].set(jnp.where(live, entropy, s.entropies[rows, at])),
-            done=s.done | (live & (token == eos_id)),
+            done=s.done | (live & _is_stop(token, stop_ids)),
             lengths=s.lengths + live.astype(jnp.int32),
             ids=s.ids.at[rows, :, at].set(
                 jnp.where(live_lk, out.router.expert_ids[:, :, 0], s.ids[rows, :, at])
@@ -352,7 +385,7 @@ def left_pad(
 
 
 def sample(
-    model: config_lib.ModelConfig | SamplingModel,
+    model: handle.Model | SamplingModel | config_lib.ModelConfig,
     params,
     prompt_tokens: Int[np.ndarray, "B T"],
     prompt_lengths: Int[np.ndarray, " B"],
@@ -363,27 +396,27 @@ def sample(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    eos_id: int,
+    stop_ids: tuple[int, ...],
     pad_id: int,
     buckets: scheduling.LengthBuckets = DEFAULT_BUCKETS,
 ) -> SampleOutput:
-    """`num_samples` completions of each prompt (rows prompt-major), stopping at EOS.
+    """`num_samples` completions of each prompt (rows prompt-major), stopping at any stop id.
 
     Args:
-      model: a `ModelConfig` (the espo transformer) or any `SamplingModel`.
+      model: an `espo.model.Model`, any `SamplingModel`, or a `ModelConfig` (wrapped in Model).
       prompt_tokens: [B, T] right-padded (or unpadded) prompts; `prompt_lengths` [B] real lengths.
       max_new_tokens: the generation budget; rounded up to a generation bucket for the buffer
         shape, but no sequence generates more than `max_new_tokens` tokens.
-      temperature / top_p / top_k: sampling settings (temperature 0 = greedy), validated as
-        `SamplingParams`.
+      temperature / top_p / top_k / stop_ids / pad_id: sampling settings (temperature 0 =
+        greedy), validated as `SamplingParams`.
       buckets: the prompt and generation lengths compiled for.
     """
     sp = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        eos_id=eos_id, pad_id=pad_id,
+        stop_ids=stop_ids, pad_id=pad_id,
     )  # fmt: skip
-    if num_samples < 1:
-        raise ValueError(f"num_samples={num_samples} is invalid: >= 1")
+    if not _is_int(num_samples) or num_samples < 1:
+        raise ValueError(f"num_samples={num_samples!r} is invalid: an int >= 1")
     lengths = np.asarray(prompt_lengths)
     if lengths.min() < 1:
         raise ValueError(f"prompt_lengths must be >= 1, got min {lengths.min()}")
@@ -391,11 +424,8 @@ def sample(
     width = buckets.prompt_bucket(int(lengths.max()))
     gen_len = buckets.generation_bucket(sp.max_new_tokens)
     prompts, mask = left_pad(prompt_tokens, lengths, width=width, pad_id=sp.pad_id)
-    if isinstance(model, config_lib.ModelConfig):
-        model = EspoModel(model)
     return sample_chunk(
-        model, params, jnp.asarray(prompts), jnp.asarray(mask), key,
-        jnp.asarray(sp.max_new_tokens, jnp.int32),
-        num_samples=num_samples, gen_len=gen_len, temperature=float(sp.temperature),
-        top_p=float(sp.top_p), top_k=int(sp.top_k), ids=(int(sp.eos_id), int(sp.pad_id)),
+        sampling_model(model), params, jnp.asarray(prompts), jnp.asarray(mask), key,
+        jnp.asarray(sp.max_new_tokens, jnp.int32), num_samples=num_samples, gen_len=gen_len,
+        sampling=sp,
     )  # fmt: skip

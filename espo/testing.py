@@ -1,4 +1,5 @@
-"""Shared test fixtures: tiny random Hugging Face MoE checkpoints and small helpers.
+"""Shared test fixtures: tiny random Hugging Face MoE checkpoints, a fake sampling model,
+reward functions for spawned workers, and `load_script` (experiment scripts by path).
 
 Importing this module needs only espo; building Hugging Face models needs the `test` extras
 (torch, transformers), imported lazily. Nothing here touches the network.
@@ -7,8 +8,10 @@ Importing this module needs only espo; building Hugging Face models needs the `t
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import pathlib
+import sys
 import time
 
 import jax
@@ -126,13 +129,21 @@ class CountingModel:
 
     The next-token logits after token t are `sharpness + spread * (t % 3)` at (t + 1) % vocab and
     0 elsewhere. With the default sharpness 30 the next token is near-certain (log-probs and
-    entropies ~1e-12): completion lengths are known in advance (from a last prompt token t,
-    EOS = vocab-1 comes after vocab-1-t tokens). A small sharpness gives a real distribution
+    entropies ~1e-12): completion lengths are known in advance (from a last prompt token t, a
+    stop id s comes after (s - t) % vocab tokens). A small sharpness gives a real distribution
     (sharpness 0: uniform; sharpness 1, spread 1: p(peak) = 0.28 / 0.51 / 0.74 for vocab 8, so
     log-probs, entropies and their positions can all be told apart). The "expert" of a token is
-    token % 3, so every position of a router trace can be checked. `step_delay_s` makes each
-    forward take that long (a host callback), standing in for a model whose decode is slow.
+    token % 3 (`NUM_EXPERTS` = 3), so every position of a router trace can be checked.
+    `step_delay_s` makes each forward take that long (a host callback), standing in for a model
+    whose decode is slow.
+
+    Its KV cache has the real layout (`espo.model.layers.KVCache`: k, v [L, B, N, S, head_dim],
+    here N = 1 head of width 2) and holds each cached token's id in k[..., 0], so a cache written
+    in the wrong slots or rows shows; its `aux` is a real `ModelAux` of zeros.
     """
+
+    NUM_EXPERTS = 3  # the "expert" of token t is t % 3
+    HEAD_DIM = 2
 
     vocab: int = 8
     num_layers: int = 1
@@ -149,18 +160,22 @@ class CountingModel:
     def init_cache(self, *, batch, max_length):
         from espo.model import layers
 
+        shape = (self.num_layers, batch, 1, max_length, self.HEAD_DIM)  # [L, B, N, S, Dh]
         return layers.KVCache(
-            k=jnp.zeros((1, batch, max_length, 1, 1)),
-            v=jnp.zeros((1, batch, max_length, 1, 1)),
+            k=jnp.zeros(shape, jnp.float32),
+            v=jnp.zeros(shape, jnp.float32),
             kv_positions=jnp.full((batch, max_length), -1, jnp.int32),
             index=jnp.zeros((), jnp.int32),
         )
 
-    def forward(self, params, tokens, *, attention_mask, cache):
+    def forward(self, params, tokens, *, attention_mask=None, cache=None):
         from espo import types
         from espo.model import layers, transformer
 
         del params
+        B, T = tokens.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((B, T), bool)
         logits = self.logits(tokens)  # [B, T, V]
         if self.step_delay_s:
             delay = self.step_delay_s
@@ -172,18 +187,52 @@ class CountingModel:
             logits = logits + jax.pure_callback(
                 wait, jax.ShapeDtypeStruct(logits.shape, logits.dtype), logits
             )
-        positions = jnp.where(attention_mask, 0, -1).astype(jnp.int32)
-        cache = layers.KVCache(
-            k=cache.k,
-            v=cache.v,
-            kv_positions=jax.lax.dynamic_update_slice(
-                cache.kv_positions, positions, (0, cache.index)
-            ),
-            index=cache.index + tokens.shape[1],
-        )
+        if cache is not None:
+            positions = jnp.where(attention_mask, 0, -1).astype(jnp.int32)  # [B, T]
+            kv = jnp.broadcast_to(
+                tokens.astype(jnp.float32)[None, :, None, :, None],
+                (self.num_layers, B, 1, T, self.HEAD_DIM),
+            )  # [L, B, N, T, Dh]: each token's id, at its slots
+            at = (0, 0, 0, cache.index, 0)
+            cache = layers.KVCache(
+                k=jax.lax.dynamic_update_slice(cache.k, kv, at),
+                v=jax.lax.dynamic_update_slice(cache.v, kv, at),
+                kv_positions=jax.lax.dynamic_update_slice(
+                    cache.kv_positions, positions, (0, cache.index)
+                ),
+                index=cache.index + T,
+            )
         ids = (tokens % 3)[:, None, :, None].astype(jnp.int32)  # [B, 1, T, 1]
+        ids = jnp.broadcast_to(ids, (B, self.num_layers, T, self.top_k))  # [B, L, T, K]
         router = types.RouterTrace(expert_ids=ids, expert_weights=jnp.ones(ids.shape))
-        return transformer.ModelOutput(logits=logits, cache=cache, router=router, aux=None)
+        aux = transformer.ModelAux(
+            load_balancing_loss=jnp.zeros((), jnp.float32),
+            z_loss=jnp.zeros((), jnp.float32),
+            expert_load=jnp.zeros((self.num_layers, self.NUM_EXPERTS), jnp.float32),
+            total=jnp.zeros((), jnp.float32),
+            num_unrecorded_routes=jnp.zeros((), jnp.int32),
+        )
+        return transformer.ModelOutput(logits=logits, cache=cache, router=router, aux=aux)
+
+
+def load_script(path: str | os.PathLike, *, name: str | None = None):
+    """The Python file at `path` as a module (experiment scripts and configs are not in a
+    package; pytest runs with --import-mode=importlib). Registered in `sys.modules` under
+    `name` (default "espo_script_<file stem>", which shadows no real module), so its
+    dataclasses can resolve their module by name."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_script: no file at {path}")
+    name = name or f"espo_script_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def _load_slowly(seconds: float):

@@ -2,10 +2,15 @@
 
 Every type here is a registered pytree whose array fields are batch-leading, so filtering,
 sharding and mini-batching are a single `jax.tree.map`. Library modules exchange these values;
-nothing about routing, sampling or scoring is hidden in mutable state.
+nothing about routing, sampling or scoring is hidden in mutable state. Arrays only: no text,
+metrics or other static (hashed) fields, so a value's pytree structure depends on its shapes
+alone and `jax.jit` never retraces for what the arrays hold. `prompt_then_completion` is the one
+place the training layout (left-padded prompt, then completion) is built.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.struct
 import jax
@@ -94,34 +99,66 @@ def prompt_then_completion(
 
 
 @flax.struct.dataclass
-class Rollout:
-    """G samples of each prompt with everything the trainer needs (host numpy arrays).
+class Samples:
+    """Completions of prompts, one per row, with what the sampler recorded (arrays only).
 
-    Rows are prompt-major (the samples of one prompt adjacent, `group_ids` = prompt index).
-    Token layout and router-trace alignment are those of `espo.sampler.SampleOutput`: a
-    training forward over `training_inputs()` with `RoutingMode.REPLAY_IDS` replays exactly
-    the experts the rollout used. `prompts` / `completions` (texts) and `metrics` are static.
+    The layout is the sampler's (`espo.sampler` module docstring): prompts left-padded to Tp,
+    completions right-padded to Tg, log-probs and entropies aligned with the completion tokens,
+    the router trace over [Tp + Tg] positions in the layout of `training_inputs()`, so a training
+    forward over those inputs with `RoutingMode.REPLAY_IDS` replays exactly the rollout's experts.
+    `SampleOutput` (one sampler call) and `Rollout` (a scored rollout step) extend it.
     """
 
-    prompt_tokens: Int[Array, "N Tp"]
-    prompt_mask: Bool[Array, "N Tp"]
-    tokens: Int[Array, "N Tg"]
-    mask: Bool[Array, "N Tg"]
-    lengths: Int[Array, " N"]
-    finished: Bool[Array, " N"]  # emitted EOS; False: truncated at max_new_tokens
-    logps: Float[Array, "N Tg"]  # sampler log-probs (see espo.sampler conventions)
-    entropies: Float[Array, "N Tg"]
-    router: RouterTrace  # [N, L, Tp + Tg, K]
-    group_ids: Int[Array, " N"]
-    rewards: Float[Array, " N"]  # the verifier's reward, before shaping (espo.advantages rules)
-    reward_ok: Bool[Array, " N"]  # False where the reward function failed (timeout, crash...)
-    prompts: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
-    completions: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
-    metrics: dict = flax.struct.field(pytree_node=False, default_factory=dict)
+    prompt_tokens: Int[Array, "R Tp"]  # left-padded to the prompt bucket
+    prompt_mask: Bool[Array, "R Tp"]
+    tokens: Int[Array, "R Tg"]  # completions, pad after the stop token; Tg = generation bucket
+    mask: Bool[Array, "R Tg"]  # the generated tokens, the stop token included
+    lengths: Int[Array, " R"]  # mask.sum(-1)
+    finished: Bool[Array, " R"]  # emitted a stop id; False: stopped by max_new_tokens
+    logps: Float[Array, "R Tg"]  # sampler log-probs (espo.sampler conventions), 0 off the mask
+    entropies: Float[Array, "R Tg"]  # full-vocabulary entropies, 0 off the mask
+    router: RouterTrace  # [R, L, Tp + Tg, K]
 
     @property
     def num_rows(self) -> int:
         return self.tokens.shape[0]
 
-    def training_inputs(self):
+    def training_inputs(self) -> tuple[Int[Array, "R T"], Bool[Array, "R T"]]:
+        """(tokens, attention_mask) [R, Tp + Tg]: prompt then completion, as the trace."""
         return prompt_then_completion(self.prompt_tokens, self.prompt_mask, self.tokens, self.mask)
+
+
+@flax.struct.dataclass
+class SampleOutput(Samples):
+    """One sampler call: G completions per prompt over B*G rows (row = prompt * G + sample)."""
+
+    num_steps: Int[Array, " "]  # decode steps the call ran
+
+
+@flax.struct.dataclass
+class Rollout(Samples):
+    """G scored samples of each prompt: everything the trainer needs, as arrays only.
+
+    Rows are prompt-major (the samples of one prompt adjacent, `group_ids` = prompt index). No
+    text and no metrics live here (`espo.rollout.RolloutResult` carries them beside it): two
+    rollouts of the same shapes are the same pytree type, so a jitted function of a `Rollout`
+    compiles once whatever the texts were.
+    """
+
+    group_ids: Int[Array, " N"]
+    rewards: Float[Array, " N"]  # the verifier's reward, before shaping (espo.advantages rules)
+    reward_ok: Bool[Array, " N"]  # False where the reward function failed (timeout, crash...)
+
+    @classmethod
+    def from_samples(
+        cls,
+        samples: Samples,
+        *,
+        group_ids: Int[Array, " N"],
+        rewards: Float[Array, " N"],
+        reward_ok: Bool[Array, " N"],
+    ) -> Rollout:
+        """The rollout of `samples` (a `SampleOutput` too: its extra fields are dropped) with
+        their group ids and rewards."""
+        shared = {f.name: getattr(samples, f.name) for f in dataclasses.fields(Samples)}
+        return cls(**shared, group_ids=group_ids, rewards=rewards, reward_ok=reward_ok)

@@ -3,10 +3,13 @@
 Fakes (`espo.testing.CountingModel`): the default one is near-deterministic (exact sequences);
 `SOFT` has a real distribution whose shape depends on the token (log-probs, entropies and their
 positions can be told apart); `UNIFORM` draws every token with probability 1/8. Per-token
-log-probs and entropies are checked against a recompute by the model on the returned tokens.
+log-probs and entropies are checked against a recompute on the returned tokens: the fake's own
+logits for fakes, `espo.train_step.token_logps` (the trainer's one home of log-probs) for the
+tiny real model.
 """
 
 import functools
+import re
 from unittest import mock
 
 import chex
@@ -16,7 +19,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from espo import model, quant, sampler, scheduling, testing
+from espo import model, quant, sampler, scheduling, testing, train_step
 
 EOS, PAD = 5, 0
 
@@ -25,7 +28,7 @@ def test_fake_model_exact_sequences_eos_and_trace():
     prompts = np.array([[1, 2, 0], [4, 5, 6]])
     out = sampler.sample(
         testing.CountingModel(), None, prompts, np.array([2, 3]), key=jax.random.key(0),
-        num_samples=2, max_new_tokens=5, eos_id=EOS, pad_id=PAD,
+        num_samples=2, max_new_tokens=5, stop_ids=(EOS,), pad_id=PAD,
         buckets=scheduling.LengthBuckets(prompt_buckets=(4,), generation_buckets=(8,)),
     )  # fmt: skip
     # Prompt 0 ends with 2 -> 3, 4, 5 (EOS). Prompt 1 ends with 6 -> 7, 0, 1, 2, 3 (budget 5).
@@ -40,6 +43,81 @@ def test_fake_model_exact_sequences_eos_and_trace():
     tokens, mask = out.training_inputs()
     want_ids = np.where(mask, np.asarray(tokens) % 3, -1)
     np.testing.assert_array_equal(out.router.expert_ids[:, 0, :, 0], want_ids)
+
+
+def test_a_row_stops_at_any_of_the_stop_ids():
+    """Stop ids 3 and 6: prompt 0 (last token 1) reaches 3 first, prompt 1 (last 4) reaches 6
+    first (a sampler checking only the first stop id runs it on), prompt 2 (last 6, a stop id
+    in the prompt, which does not count) meets neither within the budget of 4: 7, 0, 1, 2."""
+    prompts = np.array([[1, 0], [4, 0], [6, 0]])
+    out = sampler.sample(
+        testing.CountingModel(), None, prompts, np.array([1, 1, 1]), key=jax.random.key(0),
+        num_samples=1, max_new_tokens=4, stop_ids=(3, 6), pad_id=PAD,
+        buckets=scheduling.LengthBuckets(prompt_buckets=(4,), generation_buckets=(8,)),
+    )  # fmt: skip
+    want = [[2, 3] + [PAD] * 6, [5, 6] + [PAD] * 6, [7, 0, 1, 2] + [PAD] * 4]
+    np.testing.assert_array_equal(out.tokens, want)
+    np.testing.assert_array_equal(out.lengths, [2, 2, 4])
+    np.testing.assert_array_equal(out.finished, [True, True, False])
+    # The pad id may itself be a stop id (Qwen3's <|endoftext|>): lengths still delimit rows.
+    same_pad = sampler.sample(
+        testing.CountingModel(), None, prompts, np.array([1, 1, 1]), key=jax.random.key(0),
+        num_samples=1, max_new_tokens=4, stop_ids=(3, 6), pad_id=3,
+        buckets=scheduling.LengthBuckets(prompt_buckets=(4,), generation_buckets=(8,)),
+    )  # fmt: skip
+    np.testing.assert_array_equal(same_pad.lengths, [2, 2, 4])
+    np.testing.assert_array_equal(same_pad.finished, [True, True, False])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("stop_ids", (), "stop_ids=() is invalid: a non-empty tuple"),
+        ("stop_ids", 5, "stop_ids=5 is invalid: a non-empty tuple"),
+        ("stop_ids", (1, 1), "stop_ids=(1, 1) is invalid"),
+        ("stop_ids", (1, -1), "stop_ids=(1, -1) is invalid"),
+        ("stop_ids", (1.0,), "stop_ids=(1.0,) is invalid"),
+        ("pad_id", -1, "pad_id=-1 is invalid: a token id >= 0"),
+        ("max_new_tokens", 0, "max_new_tokens=0 is invalid"),
+        ("temperature", -0.5, "temperature=-0.5 is invalid"),
+        ("top_k", -1, "top_k=-1 is invalid"),
+    ],
+)
+def test_sampling_params_name_the_bad_field(field, value, message):
+    good = dict(max_new_tokens=4, stop_ids=(1,), pad_id=0)
+    with pytest.raises(ValueError, match=re.escape(f"SamplingParams.{message}")):
+        sampler.SamplingParams(**(good | {field: value}))
+    # A list of ids is stored as a tuple (hashable: it is a jit static of the sampler).
+    assert sampler.SamplingParams(**(good | {"stop_ids": [2, 1]})).stop_ids == (2, 1)
+
+
+def test_a_model_without_the_protocol_is_refused():
+    with pytest.raises(TypeError, match=r"is not a SamplingModel \(missing \['num_layers'"):
+        sampler.sample(
+            object(), None, np.ones((1, 2), int), np.array([2]), key=jax.random.key(0),
+            num_samples=1, max_new_tokens=4, stop_ids=(1,), pad_id=0,
+        )  # fmt: skip
+
+
+def test_fake_cache_has_the_real_layout_and_aux():
+    """The fake's KV cache is laid out as `layers.init_cache` lays out a real one ([L, B, N, S,
+    Dh]) and holds each token id at its slot and row; its aux is a real ModelAux."""
+    fake = testing.CountingModel(num_layers=2)
+    real = model.ModelConfig.tiny(
+        num_layers=2, num_heads=1, num_kv_heads=1, head_dim=testing.CountingModel.HEAD_DIM
+    )
+    chex.assert_trees_all_equal_shapes_and_dtypes(
+        fake.init_cache(batch=3, max_length=5), model.init_cache(real, batch=3, max_length=5)
+    )
+    tokens = jnp.array([[1, 2], [3, 4], [5, 6]])
+    out = fake.forward(None, tokens, cache=fake.init_cache(batch=3, max_length=5))
+    out = fake.forward(None, tokens[:, :1] + 10, cache=out.cache)
+    want = np.array([[1, 2, 11, 0, 0], [3, 4, 13, 0, 0], [5, 6, 15, 0, 0]], np.float32)
+    np.testing.assert_array_equal(out.cache.k[1, :, 0, :, 0], want)  # [B, S] of layer 1
+    np.testing.assert_array_equal(out.cache.kv_positions[:, 3:], -1)
+    assert int(out.cache.index) == 3
+    assert isinstance(out.aux, model.ModelAux) and out.aux.expert_load.shape == (2, 3)
+    chex.assert_shape(out.router.expert_ids, (3, 2, 1, 1))  # [B, L, T, K]
 
 
 SOFT = testing.CountingModel(sharpness=1.0, spread=1.0)  # p(peak) 0.28 / 0.51 / 0.74
@@ -80,7 +158,7 @@ def _sample_fake(fake, *, key=0, num_samples=4, max_new_tokens=16, gen_bucket=16
     prompts = np.array([[1, 2, 0], [4, 6, 5], [0, 3, 3]])
     args = dict(
         key=jax.random.key(key), num_samples=num_samples, max_new_tokens=max_new_tokens,
-        eos_id=V - 1, pad_id=PAD,
+        stop_ids=(V - 1,), pad_id=PAD,
         buckets=scheduling.LengthBuckets(prompt_buckets=(4,), generation_buckets=(gen_bucket,)),
     )  # fmt: skip
     return sampler.sample(fake, None, prompts, np.array([2, 3, 3]), **(args | kw))
@@ -121,7 +199,7 @@ def test_randomness_across_rows_steps_and_keys():
     must reproduce the draw bit for bit and another key must draw differently.
     """
     run = functools.partial(
-        _sample_fake, UNIFORM, num_samples=8, max_new_tokens=32, gen_bucket=32, eos_id=99
+        _sample_fake, UNIFORM, num_samples=8, max_new_tokens=32, gen_bucket=32, stop_ids=(99,)
     )
     out = run()
     tokens = np.asarray(out.tokens)  # [24, 32]
@@ -145,12 +223,19 @@ def test_randomness_across_rows_steps_and_keys():
     assert np.mean(np.asarray(other.tokens) == tokens) < 0.25
 
 
-def _continue(fake, prompts, mask, key, *, budgets, temperature, eos_id):
+def _settings(*, temperature, stop_ids, top_p=1.0, top_k=0):
+    return sampler.SamplingParams(
+        max_new_tokens=16, temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids,
+        pad_id=PAD,
+    )  # fmt: skip
+
+
+def _continue(fake, prompts, mask, key, *, budgets, temperature, stop_id):
     """One pass with budgets[-1], and the same key run in chunks continuing from a Prefix."""
     run = functools.partial(
         sampler.sample_chunk, fake, None, jnp.asarray(prompts), jnp.asarray(mask), key,
-        num_samples=1, gen_len=16, temperature=temperature, top_p=1.0, top_k=0,
-        ids=(eos_id, PAD),
+        num_samples=1, gen_len=16,
+        sampling=_settings(temperature=temperature, stop_ids=(stop_id,)),
     )  # fmt: skip
     chunks = [run(jnp.asarray(budgets[0]))]
     for b in budgets[1:]:
@@ -167,23 +252,20 @@ def test_soft_fake_continuing_greedy_in_chunks_equals_one_pass():
     # Chunks of 3 then 6: every row is unfinished after the first (as the rollout continues).
     prompts, mask = sampler.left_pad([[5, 3], [2], [1, 0]], [2, 1, 2], width=4, pad_id=PAD)
     whole, chunks = _continue(
-        SOFT, prompts, mask, jax.random.key(0), budgets=(3, 6), temperature=0.0, eos_id=V - 1
+        SOFT, prompts, mask, jax.random.key(0), budgets=(3, 6), temperature=0.0, stop_id=V - 1
     )
     np.testing.assert_array_equal(whole.lengths, [4, 5, 6])
     np.testing.assert_array_equal(whole.finished, [True, True, False])
     rest = chunks[-1]
-    for name in ("tokens", "lengths", "finished", "mask"):
-        np.testing.assert_array_equal(getattr(rest, name), getattr(whole, name), err_msg=name)
-    np.testing.assert_allclose(rest.logps, whole.logps, atol=1e-6)
-    np.testing.assert_allclose(rest.entropies, whole.entropies, atol=1e-6)
-    np.testing.assert_array_equal(rest.router.expert_ids, whole.router.expert_ids)
+    # Every array equal (ints exactly, floats to 1e-6), only the decode step count differs.
+    chex.assert_trees_all_close(rest.replace(num_steps=whole.num_steps), whole, atol=1e-6)
     _assert_matches_recompute(rest, _fake_logits(SOFT), 0.0)
     assert (np.asarray(rest.entropies)[np.asarray(rest.mask)] > 0.5).all()
     # Ragged prefixes (1, 3, 2 tokens of the one pass): rows reach the budget 3 at different
     # steps, and one at its budget must not take another token while the others still run.
     prompts, mask = sampler.left_pad([[1, 0]] * 3, [2] * 3, width=4, pad_id=PAD)
     whole, _ = _continue(
-        SOFT, prompts, mask, jax.random.key(0), budgets=(3,), temperature=0.0, eos_id=V - 1
+        SOFT, prompts, mask, jax.random.key(0), budgets=(3,), temperature=0.0, stop_id=V - 1
     )
     lengths = jnp.array([1, 3, 2])
     keep = jnp.arange(16)[None] < lengths[:, None]
@@ -193,8 +275,7 @@ def test_soft_fake_continuing_greedy_in_chunks_equals_one_pass():
     )  # fmt: skip
     ragged = sampler.sample_chunk(
         SOFT, None, jnp.asarray(prompts), jnp.asarray(mask), jax.random.key(0), jnp.asarray(3),
-        prefix, num_samples=1, gen_len=16, temperature=0.0, top_p=1.0, top_k=0,
-        ids=(V - 1, PAD),
+        prefix, num_samples=1, gen_len=16, sampling=_settings(temperature=0.0, stop_ids=(V - 1,)),
     )  # fmt: skip
     np.testing.assert_array_equal(ragged.lengths, [3, 3, 3])
     np.testing.assert_array_equal(ragged.tokens, whole.tokens)
@@ -206,7 +287,7 @@ def test_soft_fake_sampled_continuation_keeps_prefix_logps_and_entropies():
     and entropies as they were and its new ones equal the recompute (EOS never sampled)."""
     prompts, mask = sampler.left_pad([[5, 3], [2], [1, 0]], [2, 1, 2], width=4, pad_id=PAD)
     _, chunks = _continue(
-        SOFT, prompts, mask, jax.random.key(3), budgets=(3, 7, 12), temperature=1.0, eos_id=99
+        SOFT, prompts, mask, jax.random.key(3), budgets=(3, 7, 12), temperature=1.0, stop_id=99
     )
     for before, after in zip(chunks[:-1], chunks[1:], strict=True):
         n = int(before.lengths[0])
@@ -218,11 +299,12 @@ def test_soft_fake_sampled_continuation_keeps_prefix_logps_and_entropies():
 
 
 CFG = model.ModelConfig.tiny(vocab_size=64)
+MODEL = model.Model(CFG)
 
 
 @pytest.fixture(scope="module")
 def params():
-    return model.init(CFG, jax.random.key(0))
+    return MODEL.init(jax.random.key(0))
 
 
 PROMPTS = np.random.RandomState(0).randint(2, 64, (3, 9))
@@ -230,27 +312,35 @@ LENGTHS = np.array([9, 4, 6])
 
 
 def _sample(params, **kw):
-    args = dict(key=jax.random.key(1), num_samples=2, max_new_tokens=12, eos_id=1, pad_id=0)
-    return sampler.sample(CFG, params, PROMPTS, LENGTHS, **(args | kw))
+    args = dict(key=jax.random.key(1), num_samples=2, max_new_tokens=12, stop_ids=(1,), pad_id=0)
+    return sampler.sample(MODEL, params, PROMPTS, LENGTHS, **(args | kw))
 
 
-_forward = jax.jit(functools.partial(model.forward, CFG), static_argnames="routing_mode")
+_forward = jax.jit(MODEL.forward, static_argnames="routing_mode")
+_token_logps = jax.jit(train_step.token_logps, static_argnames=("model_cfg", "temperature"))
 
 
-def _full_forward(params, out):
+def _next_token_logits(params, out):
+    """Logits [R, Tg, V] of a full forward at the positions that predict completion token t."""
     tokens, mask = out.training_inputs()
-    full = _forward(params, tokens, attention_mask=mask)
     Tp = out.prompt_tokens.shape[1]
-    logp = jax.nn.log_softmax(full.logits[:, Tp - 1 : -1], axis=-1)  # predicts completion t
-    return full, logp, mask
+    return _forward(params, tokens, attention_mask=mask).logits[:, Tp - 1 : -1]
 
 
 @pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.7, 0.9, 20)])
 def test_logps_entropies_and_trace_equal_the_full_forward(params, temperature, top_p, top_k):
     out = _sample(params, temperature=temperature, top_p=top_p, top_k=top_k)
-    full, _, mask = _full_forward(params, out)
-    logits_fn = lambda tokens, mask: full.logits
-    _assert_matches_recompute(out, logits_fn, temperature, atol=1e-4)
+    tokens, mask = out.training_inputs()
+    # The trainer's log-probs (one forward, aligned with tokens) on the sampled completions.
+    logps, entropies, _ = _token_logps(CFG, params, tokens, mask, temperature=temperature)
+    Tp, m = out.prompt_tokens.shape[1], np.asarray(out.mask)
+    got = train_step.completion(logps, prompt_length=Tp)
+    got_entropies = train_step.completion(entropies, prompt_length=Tp)
+    np.testing.assert_allclose(out.logps[m], got[m], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out.entropies[m], got_entropies[m], atol=1e-4, rtol=1e-4)
+    assert (np.asarray(out.logps)[~m] == 0).all() and (np.asarray(out.entropies)[~m] == 0).all()
+    assert (np.asarray(out.entropies)[m] > 0).all() and (np.asarray(out.logps)[m] < 0).all()
+    full = _forward(params, tokens, attention_mask=mask)
     real = np.asarray(mask)[:, None, :, None]
     np.testing.assert_array_equal(
         np.where(real, out.router.expert_ids, -1), np.where(real, full.router.expert_ids, -1)
@@ -266,8 +356,8 @@ def test_logps_entropies_and_trace_equal_the_full_forward(params, temperature, t
 
 def test_greedy_is_argmax_of_the_full_forward(params):
     out = _sample(params, temperature=0.0)
-    _, logp, _ = _full_forward(params, out)
-    np.testing.assert_array_equal(out.tokens[out.mask], jnp.argmax(logp, -1)[out.mask])
+    logits = _next_token_logits(params, out)
+    np.testing.assert_array_equal(out.tokens[out.mask], jnp.argmax(logits, -1)[out.mask])
     # The G samples of one prompt are identical under greedy decoding.
     np.testing.assert_array_equal(out.tokens[0::2], out.tokens[1::2])
     # top_k=1 and a tiny nucleus are greedy too.
@@ -284,8 +374,8 @@ def test_seed_reproducibility(params):
 
 def test_top_k_restricts_the_support(params):
     out = _sample(params, top_k=3, max_new_tokens=8)
-    _, logp, _ = _full_forward(params, out)
-    rank = jnp.sum(logp > jnp.take_along_axis(logp, out.tokens[..., None], -1), axis=-1)
+    logits = _next_token_logits(params, out)
+    rank = jnp.sum(logits > jnp.take_along_axis(logits, out.tokens[..., None], -1), axis=-1)
     assert int(jnp.max(jnp.where(out.mask, rank, 0))) < 3
 
 
@@ -300,17 +390,27 @@ def test_buckets_bound_compiles_and_budget(params):
     before = sampler.compile_count()
     # Another prompt length and budget inside the same buckets: no new compile.
     out = sampler.sample(
-        CFG, params, PROMPTS[:, :7], np.array([7, 3, 5]), key=jax.random.key(2),
-        num_samples=2, max_new_tokens=10, eos_id=1, pad_id=0,
+        MODEL, params, PROMPTS[:, :7], np.array([7, 3, 5]), key=jax.random.key(2),
+        num_samples=2, max_new_tokens=10, stop_ids=(1,), pad_id=0,
     )  # fmt: skip
     assert sampler.compile_count() == before
+    # The same call through a bare ModelConfig is the same Model (hashed by value): no compile.
+    sampler.sample(
+        CFG, params, PROMPTS[:, :7], np.array([7, 3, 5]), key=jax.random.key(2),
+        num_samples=2, max_new_tokens=10, stop_ids=(1,), pad_id=0,
+    )  # fmt: skip
+    assert sampler.compile_count() == before
+    # Another stop set is another compiled function, counted once.
+    _sample(params, stop_ids=(1, 2))
+    _sample(params, stop_ids=(1, 2), key=jax.random.key(5))
+    assert sampler.compile_count() == before + 1
     assert out.tokens.shape == (6, 16) and int(out.lengths.max()) <= 10
     with pytest.raises(
         ValueError, match=r"prompt length 40 exceeds the largest bucket 32 of \(16, 32\)"
     ):
         sampler.sample(
             CFG, params, np.ones((1, 40), int), np.array([40]), key=jax.random.key(0),
-            num_samples=1, max_new_tokens=4, eos_id=1, pad_id=0,
+            num_samples=1, max_new_tokens=4, stop_ids=(1,), pad_id=0,
             buckets=scheduling.LengthBuckets(prompt_buckets=(16, 32), generation_buckets=(16,)),
         )  # fmt: skip
 
@@ -319,9 +419,11 @@ def test_continuing_from_a_prefix_equals_one_pass(params):
     """Budget 4, then continue the unfinished rows from their prefixes: same as one pass."""
     prompts, mask = sampler.left_pad(PROMPTS, LENGTHS, width=16, pad_id=0)
     run = functools.partial(
-        sampler.sample_chunk, sampler.EspoModel(CFG), params, jnp.asarray(prompts),
-        jnp.asarray(mask), jax.random.key(0), num_samples=1, gen_len=16, temperature=0.0,
-        top_p=1.0, top_k=0, ids=(1, 0),
+        sampler.sample_chunk, MODEL, params, jnp.asarray(prompts), jnp.asarray(mask),
+        jax.random.key(0), num_samples=1, gen_len=16,
+        sampling=sampler.SamplingParams(
+            max_new_tokens=12, temperature=0.0, stop_ids=(1,), pad_id=0
+        ),
     )  # fmt: skip
     whole = run(jnp.asarray(12))
     first = run(jnp.asarray(4))
@@ -331,10 +433,9 @@ def test_continuing_from_a_prefix_equals_one_pass(params):
     )
     rest = run(jnp.asarray(12), prefix)
     np.testing.assert_array_equal(rest.tokens, whole.tokens)
-    np.testing.assert_array_equal(rest.lengths, whole.lengths)
-    np.testing.assert_allclose(rest.logps, whole.logps, atol=1e-4)
-    np.testing.assert_allclose(rest.entropies, whole.entropies, atol=1e-4)
     np.testing.assert_array_equal(rest.router.expert_ids, whole.router.expert_ids)
+    # Every array (gate weights included) within the module tolerance of a cached decode.
+    chex.assert_trees_all_close(rest.replace(num_steps=whole.num_steps), whole, atol=1e-4)
 
 
 class ChooseTokensTest(chex.TestCase):

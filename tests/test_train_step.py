@@ -110,7 +110,7 @@ def test_replaying_the_rollout_reproduces_the_sampler():
     prompts = np.random.RandomState(0).randint(2, 64, (2, 6))
     out = sampler.sample(
         CFG, params(), prompts, np.array([6, 3]), key=jax.random.key(1), num_samples=2,
-        max_new_tokens=7, temperature=temperature, eos_id=1, pad_id=0,
+        max_new_tokens=7, temperature=temperature, stop_ids=(1,), pad_id=0,
         buckets=scheduling.LengthBuckets(prompt_buckets=(8,), generation_buckets=(8,)),
     )  # fmt: skip
     tokens, mask = out.training_inputs()

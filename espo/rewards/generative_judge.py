@@ -117,7 +117,7 @@ class ModelCompleter:
             )
         sampler.SamplingParams(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            eos_id=self.eos_id, pad_id=self.pad_id,
+            stop_ids=(self.eos_id,), pad_id=self.pad_id,
         )  # fmt: skip
 
     def __call__(self, prompts: Sequence[str]) -> list[str]:
@@ -141,7 +141,7 @@ class ModelCompleter:
         result = sampler.sample(
             self.model, self.params, ids, np.array([len(r) for r in ids]), key=key,
             num_samples=1, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            eos_id=self.eos_id, pad_id=self.pad_id, buckets=self.buckets,
+            stop_ids=(self.eos_id,), pad_id=self.pad_id, buckets=self.buckets,
         )  # fmt: skip
         tokens = np.asarray(result.tokens)  # [batch_size, Tg]
         lengths = np.asarray(result.lengths)  # [batch_size], EOS included when finished

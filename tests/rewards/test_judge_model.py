@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo import model, sampler, scheduling
+from espo import model, scheduling
 from espo.rewards import generative_judge as gj
 from espo.rewards import judge
 
@@ -68,7 +68,7 @@ def test_tiny_model_judges_a_group_end_to_end(params):
 class FirstLabelModel:
     """The tiny espo model with +100 on the logit of "A": a judge with total position bias."""
 
-    inner: sampler.EspoModel
+    inner: model.Model
 
     @property
     def num_layers(self):
@@ -88,7 +88,7 @@ class FirstLabelModel:
 
 
 def test_position_biased_model_is_cancelled_by_both_orders(params):
-    biased = FirstLabelModel(sampler.EspoModel(CFG))
+    biased = FirstLabelModel(model.Model(CFG))
     completer = dataclasses.replace(_completer(biased, params), max_new_tokens=1)
     gen = gj.GenerativeJudge(complete=completer).for_question(QUESTION)
     assert completer([gen.prompt("4", "5")]) == ["A"]
