@@ -1,30 +1,42 @@
 """`generate_and_score`: prompts -> G scored samples each, chunk by chunk, rewards overlapped.
 
-One rollout step:
-  1. one `scheduling.Request` per sample; `plan_chunks` orders them by predicted length into
-     chunks with bounded compiled shapes (or `plan_fifo`, the naive baseline);
-  2. chunk i+1 is dispatched to the device (JAX dispatch is asynchronous) before chunk i is
-     copied to the host, so the device keeps decoding while the host works;
-  3. each finished sample (EOS, or `max_new_tokens`) is handed to the `RewardPool` at once as
-     token ids; the pool's workers detokenize and score it while later chunks decode, so
-     detokenization is parallel and off the host's decode loop (`detokenize=` on the host
-     is the serial alternative, for a pool without a detokenizer);
-  4. rows that hit their chunk's budget without EOS are continued from their prefix in the next
-     wave (`continuation_plan`): the scheduler never truncates;
-  5. the length predictor learns this step's lengths, keyed by `prompt_ids` (stable ids from
-     the data pipeline: a batch position is not a prompt, so a predictor needs them).
+One rollout step, one helper per stage:
+  1. `_plan`: one `scheduling.Request` per sample; `plan_chunks` orders them by predicted length
+     into chunks with bounded compiled shapes (or `plan_fifo`, the naive baseline);
+  2. `_dispatch`: chunk i+1 is dispatched to the device (JAX dispatch is asynchronous) before
+     chunk i is copied to the host, so the device keeps decoding while the host works;
+  3. `_hand_off`: each finished sample (a stop id, or `max_new_tokens`) is handed to the
+     `RewardPool` at once as token ids; the pool's workers detokenize and score it while later
+     chunks decode, so detokenization is parallel and off the host's decode loop
+     (`detokenize=` on the host is the serial alternative, for a pool without a detokenizer);
+  4. rows that hit their chunk's budget without a stop id are continued from their prefix in
+     the next wave (`continuation_plan`): the scheduler never truncates;
+  5. `_assemble`: the length predictor learns this step's lengths, keyed by `prompt_ids` (stable
+     ids from the data pipeline: a batch position is not a prompt, so a predictor needs them),
+     and the rows become one `types.Rollout` plus texts and metrics.
 
-Every chunk draws from its own key, `fold_in(key, chunk number)`: samples of one prompt in
-different chunks at the same row are independent, and the same key reproduces the rollout.
-With `num_shards` > 1 the plan assigns chunks to data-parallel shards by LPT on their cost
-(`rollout/shard_imbalance` reports the realised max / mean load); this host decodes them all.
-The result is a `types.Rollout` with sampler log-probs, entropies, the router trace for replay,
-rewards (failed ones flagged in `reward_ok`) and per-phase timings and scheduling metrics.
+Every chunk draws from its own key, `fold_in(key, chunk number)` (1, 2, ... in dispatch order):
+samples of one prompt in different chunks at the same row are independent, and the same key
+reproduces the rollout. With `num_shards` > 1 the plan assigns chunks to data-parallel shards by
+LPT on their cost (`rollout/shard_imbalance` reports the realised max / mean load); this host
+decodes them all. How to sample and schedule is one `RolloutConfig`.
+
+The result is a `RolloutResult`: the `types.Rollout` (arrays only: sampler log-probs, entropies,
+the router trace for replay, rewards with failed ones flagged in `reward_ok`), the completion
+texts the reward function saw, and per-phase timings and scheduling metrics:
+  rollout/{generate_s, host_handoff_s, reward_wait_s, total_s}: time to decode every chunk
+    (hand-offs included), host time spent handing chunks off, time waiting on rewards after
+    decoding, and the whole call; rollout/tokens_per_s = useful tokens / generate_s;
+  rollout/new_compiles: sampler compilations during the call (0 after warm-up);
+  rollout/truncated_fraction, rollout/mean_length: over the samples;
+  rollout/* from `scheduling.schedule_metrics` (chunks, padding waste, shard imbalance, ...);
+  reward/*: the reward pool's counters for this call (ok, errors, retries, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -34,61 +46,177 @@ import numpy as np
 
 from espo import sampler, scheduling, types
 from espo.model import config as config_lib
+from espo.model import handle
 from espo.rewards import pool as pool_lib
 
 SCHEDULES = ("length_aware", "fifo")
 
 
-@dataclasses.dataclass
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """How a rollout step samples and schedules: the one settings object of `generate_and_score`."""
+
+    sampling: sampler.SamplingParams  # decoding settings, max_new_tokens, stop and pad ids
+    buckets: scheduling.LengthBuckets  # compiled prompt / generation (/ batch) lengths
+    max_chunk_size: int  # rows decoded together (before batch-bucket padding)
+    schedule: str = "length_aware"  # "length_aware" (predicted length) or "fifo" (baseline)
+    num_shards: int = 1  # data-parallel shards the plan balances chunks over (1 on one device)
+
+    def __post_init__(self):
+        checks = {
+            "sampling": (
+                isinstance(self.sampling, sampler.SamplingParams),
+                "an espo.sampler.SamplingParams",
+            ),
+            "buckets": (
+                isinstance(self.buckets, scheduling.LengthBuckets),
+                "an espo.scheduling.LengthBuckets",
+            ),
+            "max_chunk_size": (
+                _is_int(self.max_chunk_size) and self.max_chunk_size >= 1,
+                "an int >= 1",
+            ),
+            "schedule": (self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
+            "num_shards": (_is_int(self.num_shards) and self.num_shards >= 1, "an int >= 1"),
+        }
+        for field, (ok, valid) in checks.items():
+            if not ok:
+                raise ValueError(
+                    f"RolloutConfig.{field}={getattr(self, field)!r} is invalid: {valid}"
+                )
+        if self.sampling.max_new_tokens > self.buckets.generation_buckets[-1]:
+            raise ValueError(
+                f"RolloutConfig.sampling.max_new_tokens={self.sampling.max_new_tokens} is "
+                f"invalid: <= the largest generation bucket, "
+                f"buckets.generation_buckets={self.buckets.generation_buckets}"
+            )
+
+    def plan_kwargs(self) -> dict:
+        """The keyword arguments every `scheduling` planner takes."""
+        return dict(
+            buckets=self.buckets,
+            max_chunk_size=self.max_chunk_size,
+            max_new_tokens=self.sampling.max_new_tokens,
+            num_shards=self.num_shards,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutResult:
+    """A scored rollout step: device-ready arrays, and the texts and metrics beside them."""
+
+    rollout: types.Rollout  # N rows, prompt-major (group_ids = prompt index)
+    completions: tuple[str, ...]  # [N] the text each reward call scored
+    metrics: dict[str, float]  # see the module docstring
+
+
+# ---------------------------------------------------------------- the step's inputs and state
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Step:
+    """One call's inputs, checked, and its plan of requests (row r is requests[r])."""
+
+    prompts: Sequence[Sequence[int]]
+    prompt_texts: Sequence[str]
+    metas: Sequence[Mapping]
+    config: RolloutConfig
+    requests: tuple[scheduling.Request, ...]
+    row_prompt: np.ndarray  # [N] the prompt index of each row
+    prompt_width: int  # Tp: the largest prompt bucket of the step
+    gen_width: int  # Tg: the generation bucket of max_new_tokens
+
+
+@dataclasses.dataclass(kw_only=True)
 class _Buffers:
-    """Per-request host buffers in the final [N, ...] layout."""
+    """Per-row host arrays in the final [N, ...] layout, filled chunk by chunk."""
 
-    tokens: np.ndarray
-    logps: np.ndarray
-    entropies: np.ndarray
-    lengths: np.ndarray
-    finished: np.ndarray
-    ids: np.ndarray
-    weights: np.ndarray
+    tokens: np.ndarray  # [N, Tg]
+    logps: np.ndarray  # [N, Tg]
+    entropies: np.ndarray  # [N, Tg]
+    lengths: np.ndarray  # [N]
+    finished: np.ndarray  # [N]
+    expert_ids: np.ndarray  # [N, L, Tp + Tg, K]
+    expert_weights: np.ndarray  # [N, L, Tp + Tg, K]
+
+    @classmethod
+    def empty(cls, step: _Step, *, num_layers: int, top_k: int) -> _Buffers:
+        N, Tp, Tg = len(step.requests), step.prompt_width, step.gen_width
+        trace = (N, num_layers, Tp + Tg, top_k)
+        return cls(
+            tokens=np.full((N, Tg), step.config.sampling.pad_id, np.int32),
+            logps=np.zeros((N, Tg), np.float32),
+            entropies=np.zeros((N, Tg), np.float32),
+            lengths=np.zeros(N, np.int32),
+            finished=np.zeros(N, bool),
+            expert_ids=np.full(trace, -1, np.int32),
+            expert_weights=np.zeros(trace, np.float32),
+        )
+
+    def write(self, chunk: scheduling.Chunk, out: types.SampleOutput, *, prompt_width: int):
+        """Copy a decoded chunk's real rows (host arrays) into their slots.
+
+        The chunk's prompt bucket tp <= Tp is right-aligned: its trace lands at [Tp - tp, Tp + gb).
+        """
+        n, tp, gb = len(chunk.request_indices), chunk.prompt_bucket, chunk.generation_bucket
+        rows = np.asarray(chunk.request_indices)
+        self.tokens[rows, :gb] = out.tokens[:n]
+        self.logps[rows, :gb] = out.logps[:n]
+        self.entropies[rows, :gb] = out.entropies[:n]
+        self.lengths[rows] = out.lengths[:n]
+        self.finished[rows] = out.finished[:n]
+        self.expert_ids[rows, :, prompt_width - tp : prompt_width + gb] = out.router.expert_ids[:n]
+        self.expert_weights[rows, :, prompt_width - tp : prompt_width + gb] = (
+            out.router.expert_weights[:n]
+        )
+
+    def prefix(self, rows: list[int], starts: list[int], *, width: int) -> sampler.Prefix:
+        """What `rows` generated so far ([R, width], `starts` tokens each), for a continuation."""
+        return sampler.Prefix(
+            tokens=jnp.asarray(self.tokens[rows, :width]),
+            lengths=jnp.asarray(starts, jnp.int32),
+            logps=jnp.asarray(self.logps[rows, :width]),
+            entropies=jnp.asarray(self.entropies[rows, :width]),
+        )
 
 
-def generate_and_score(
-    model: config_lib.ModelConfig | sampler.SamplingModel,
-    params,
-    *,
-    prompts: Sequence[Sequence[int]],
-    prompt_texts: Sequence[str],
-    metas: Sequence[Mapping],
-    group_sizes: int | Sequence[int],
-    key: jax.Array,
-    sampling: sampler.SamplingParams,
-    buckets: scheduling.LengthBuckets,
-    max_chunk_size: int,
-    reward_pool: pool_lib.RewardPool,
-    detokenize: Callable[[Sequence[int]], str] | None = None,
-    predictor: scheduling.LengthPredictor | None = None,
-    prompt_ids: Sequence[str | int] | None = None,
-    schedule: str = "length_aware",
-    num_shards: int = 1,
-) -> types.Rollout:
-    """Sample `group_sizes[p]` completions of each prompt and score them (see module doc).
+@dataclasses.dataclass(kw_only=True)
+class _Progress:
+    """What the decode loop has produced so far (explicit state, passed to the helpers)."""
 
-    Args:
-      prompts: token ids of each prompt; `prompt_texts` / `metas` go to the reward function.
-      group_sizes: G for every prompt, or one G per prompt (adaptive group size).
-      detokenize: None (default): the reward pool's workers detokenize (the pool needs
-        `RewardPool(detokenize=...)`); a callable: detokenize on the host, serially.
-      predictor: learns lengths across steps (updated in place); needs `prompt_ids`. None: a
-        fresh one for this call (no history).
-      prompt_ids: stable ids of the prompts, the keys of the predictor's history.
-      num_shards: data-parallel shards the plan balances chunks over (1 on one device).
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is invalid; valid: {SCHEDULES}")
+    buffers: _Buffers
+    records: list[scheduling.ChunkRecord] = dataclasses.field(default_factory=list)
+    task_of_row: dict[int, int] = dataclasses.field(default_factory=dict)  # reward pool task
+    host_texts: dict[int, str] = dataclasses.field(default_factory=dict)  # detokenize= on host
+    handoff_s: float = 0.0  # host time spent in `_hand_off`
+
+
+# ---------------------------------------------------------------- stages
+
+
+def _check_inputs(
+    *, prompts, prompt_texts, metas, group_sizes, predictor, prompt_ids, reward_pool, detokenize
+) -> list[int]:
+    """Raise on inconsistent arguments; return one group size per prompt."""
     if not len(prompts) == len(prompt_texts) == len(metas):
         raise ValueError(
             f"prompts ({len(prompts)}), prompt_texts ({len(prompt_texts)}) and metas "
             f"({len(metas)}) must have the same length"
+        )
+    if not prompts:
+        raise ValueError("prompts is empty: a rollout needs at least one prompt")
+    empty = [p for p, tokens in enumerate(prompts) if len(tokens) == 0]
+    if empty:
+        raise ValueError(f"prompts {empty[:8]} have no tokens: every prompt needs >= 1 token")
+    sizes = [group_sizes] * len(prompts) if _is_int(group_sizes) else list(group_sizes)
+    if len(sizes) != len(prompts) or not all(_is_int(g) and g >= 1 for g in sizes):
+        raise ValueError(
+            f"group_sizes={group_sizes!r} is invalid: an int >= 1, or one int >= 1 per prompt "
+            f"({len(prompts)} prompts)"
         )
     if predictor is not None and prompt_ids is None:
         raise ValueError(
@@ -103,176 +231,265 @@ def generate_and_score(
             "detokenize=None needs a reward pool that detokenizes: "
             "RewardPool(reward_fn, detokenize=tokenizer.decode), or pass detokenize="
         )
-    if num_shards < 1:
-        raise ValueError(f"num_shards={num_shards} is invalid: >= 1")
-    if isinstance(model, config_lib.ModelConfig):
-        model = sampler.EspoModel(model)
-    buckets.check_max_new_tokens(sampling.max_new_tokens)
-    sizes = [group_sizes] * len(prompts) if isinstance(group_sizes, int) else list(group_sizes)
+    return sizes
+
+
+def _plan(
+    *, prompts, prompt_texts, metas, sizes: list[int], prompt_ids, config: RolloutConfig
+) -> _Step:
+    """One request per sample (prompt-major rows) and the step's buffer widths."""
     ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
-    predictor = predictor if predictor is not None else scheduling.LengthPredictor()
-    requests = [
+    requests = tuple(
         scheduling.Request(prompt_id=ids[p], sample_index=j, prompt_length=len(prompts[p]))
         for p in range(len(prompts))
         for j in range(sizes[p])
-    ]
-    row_prompt = np.repeat(np.arange(len(prompts)), sizes)
-    plan_kw = dict(
-        buckets=buckets,
-        max_chunk_size=max_chunk_size,
-        max_new_tokens=sampling.max_new_tokens,
-        num_shards=num_shards,
     )
-    if schedule == "fifo":
-        wave = scheduling.plan_fifo(requests, **plan_kw)
-    else:
-        wave = scheduling.plan_chunks(requests, predictor_or_predictions=predictor, **plan_kw)
-
-    N, L, K = len(requests), model.num_layers, model.top_k
-    Tp = max(buckets.prompt_bucket(r.prompt_length) for r in requests)
-    Tg = buckets.generation_bucket(sampling.max_new_tokens)
-    buf = _Buffers(
-        tokens=np.full((N, Tg), sampling.pad_id, np.int32),
-        logps=np.zeros((N, Tg), np.float32),
-        entropies=np.zeros((N, Tg), np.float32),
-        lengths=np.zeros(N, np.int32),
-        finished=np.zeros(N, bool),
-        ids=np.full((N, L, Tp + Tg, K), -1, np.int32),
-        weights=np.zeros((N, L, Tp + Tg, K), np.float32),
+    return _Step(
+        prompts=prompts,
+        prompt_texts=prompt_texts,
+        metas=metas,
+        config=config,
+        requests=requests,
+        row_prompt=np.repeat(np.arange(len(prompts)), sizes),
+        prompt_width=max(config.buckets.prompt_bucket(r.prompt_length) for r in requests),
+        gen_width=config.buckets.generation_bucket(config.sampling.max_new_tokens),
     )
-    completions: list[str] = [""] * N
-    task_of_row: dict[int, int] = {}
-    records: list[scheduling.ChunkRecord] = []
-    compiles0, pool0 = sampler.compile_count(), reward_pool.metrics()
-    t0 = time.perf_counter()
-    handoff_s = 0.0
-    num_chunks = 0
 
-    def dispatch(chunk: scheduling.Chunk):
-        nonlocal num_chunks
-        rows = list(chunk.request_indices)
-        rows += [rows[0]] * (chunk.batch_size - len(rows))  # batch padding, outputs dropped
-        tokens, mask = sampler.left_pad(
-            [prompts[row_prompt[r]] for r in rows],
-            [len(prompts[row_prompt[r]]) for r in rows],
-            width=chunk.prompt_bucket,
-            pad_id=sampling.pad_id,
-        )
-        prefix = None
-        if any(chunk.start_lengths):
-            gb = chunk.generation_bucket
-            starts = list(chunk.start_lengths) + [chunk.start_lengths[0]] * (
-                len(rows) - len(chunk.start_lengths)
-            )
-            prefix = sampler.Prefix(
-                tokens=jnp.asarray(buf.tokens[rows, :gb]),
-                lengths=jnp.asarray(starts, jnp.int32),
-                logps=jnp.asarray(buf.logps[rows, :gb]),
-                entropies=jnp.asarray(buf.entropies[rows, :gb]),
-            )
-        num_chunks += 1
-        return sampler.sample_chunk(
-            model, params, jnp.asarray(tokens), jnp.asarray(mask),
-            jax.random.fold_in(key, num_chunks), jnp.asarray(chunk.budget, jnp.int32), prefix,
-            num_samples=1, gen_len=chunk.generation_bucket,
-            temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-            top_k=int(sampling.top_k), ids=(sampling.eos_id, sampling.pad_id),
-        )  # fmt: skip
 
-    def handoff(chunk: scheduling.Chunk, out: sampler.SampleOutput) -> list[scheduling.Unfinished]:
-        """Copy a decoded chunk to the host, submit its finished rows, return the unfinished."""
-        nonlocal handoff_s
-        out = jax.device_get(out)  # blocks until this chunk is decoded
-        t = time.perf_counter()
-        n, tp, gb = len(chunk.request_indices), chunk.prompt_bucket, chunk.generation_bucket
-        rows = np.asarray(chunk.request_indices)
-        buf.tokens[rows, :gb] = out.tokens[:n]
-        buf.logps[rows, :gb] = out.logps[:n]
-        buf.entropies[rows, :gb] = out.entropies[:n]
-        buf.lengths[rows] = out.lengths[:n]
-        buf.finished[rows] = out.finished[:n]
-        buf.ids[rows, :, Tp - tp : Tp + gb] = out.router.expert_ids[:n]
-        buf.weights[rows, :, Tp - tp : Tp + gb] = out.router.expert_weights[:n]
-        new = tuple(int(x) for x in out.lengths[:n] - np.asarray(chunk.start_lengths))
-        records.append(
-            scheduling.ChunkRecord(chunk=chunk, num_steps=int(out.num_steps), num_new_tokens=new)
-        )
-        done, unfinished = [], []
-        for r in rows.tolist():
-            length = int(buf.lengths[r])
-            if buf.finished[r] or length >= sampling.max_new_tokens:
-                done.append(r)
-            else:
-                unfinished.append(
-                    scheduling.Unfinished(
-                        index=r, prompt_length=requests[r].prompt_length, num_generated=length
-                    )
-                )
-        items = []
-        for r in done:
-            completion = buf.tokens[r, : buf.lengths[r]].tolist()
-            if detokenize is not None:
-                completions[r] = completion = detokenize(completion)
-            p = row_prompt[r]
-            items.append((prompt_texts[p], completion, metas[p]))
-        task_of_row.update(zip(done, reward_pool.submit(items), strict=True))
-        handoff_s += time.perf_counter() - t
-        return unfinished
+def _first_wave(step: _Step, predictor: scheduling.LengthPredictor) -> list[scheduling.Chunk]:
+    config = step.config
+    if config.schedule == "fifo":
+        return scheduling.plan_fifo(step.requests, **config.plan_kwargs())
+    return scheduling.plan_chunks(
+        step.requests, predictor_or_predictions=predictor, **config.plan_kwargs()
+    )
 
-    while wave:
-        unfinished, previous = [], None
-        for chunk in wave:
-            current = (chunk, dispatch(chunk))
-            if previous is not None:
-                unfinished += handoff(*previous)
-            previous = current
-        unfinished += handoff(*previous)
-        wave = scheduling.continuation_plan(unfinished, **plan_kw)
-    t_generated = time.perf_counter()
-    scores = reward_pool.results([task_of_row[r] for r in range(N)])
-    if detokenize is None:
-        completions = list(scores.completions)
-    t_end = time.perf_counter()
-    predictor.observe_requests(requests, buf.lengths.tolist())
 
-    prompt_rows = [prompts[p] for p in row_prompt]
-    prompt_tokens, prompt_mask = sampler.left_pad(
+def _dispatch(
+    model: sampler.SamplingModel,
+    params,
+    *,
+    key: jax.Array,
+    step: _Step,
+    buffers: _Buffers,
+    chunk: scheduling.Chunk,
+) -> types.SampleOutput:
+    """Start decoding `chunk` on the device (asynchronous: returns before it is decoded).
+
+    Rows past the chunk's requests are batch padding (copies of its first row), dropped later.
+    """
+    sampling = step.config.sampling
+    pad = chunk.batch_size - len(chunk.request_indices)
+    rows = list(chunk.request_indices) + [chunk.request_indices[0]] * pad
+    prompt_rows = [step.prompts[step.row_prompt[r]] for r in rows]
+    tokens, mask = sampler.left_pad(
         prompt_rows,
-        [len(x) for x in prompt_rows],
-        width=Tp,
+        [len(p) for p in prompt_rows],
+        width=chunk.prompt_bucket,
         pad_id=sampling.pad_id,
     )
-    pool1 = reward_pool.metrics()
-    useful = int(buf.lengths.sum())
-    metrics = {
-        **{
-            f"rollout/{k}": v
-            for k, v in scheduling.schedule_metrics(records, num_shards=num_shards).items()
-        },
-        "rollout/generate_s": t_generated - t0,
-        "rollout/host_handoff_s": handoff_s,
-        "rollout/reward_wait_s": t_end - t_generated,
-        "rollout/total_s": t_end - t0,
-        "rollout/tokens_per_s": useful / max(t_generated - t0, 1e-9),
-        "rollout/new_compiles": float(sampler.compile_count() - compiles0),
-        "rollout/truncated_fraction": float(np.mean(~buf.finished)),
-        "rollout/mean_length": float(buf.lengths.mean()),
-        **{k: pool1[k] - pool0[k] for k in pool1},
-    }
-    return types.Rollout(
+    prefix = None
+    if any(chunk.start_lengths):
+        starts = list(chunk.start_lengths) + [chunk.start_lengths[0]] * pad
+        prefix = buffers.prefix(rows, starts, width=chunk.generation_bucket)
+    return sampler.sample_chunk(
+        model, params, jnp.asarray(tokens), jnp.asarray(mask), key,
+        jnp.asarray(chunk.budget, jnp.int32), prefix, num_samples=1,
+        gen_len=chunk.generation_bucket, sampling=sampling,
+    )  # fmt: skip
+
+
+def _hand_off(
+    progress: _Progress,
+    out: types.SampleOutput,
+    *,
+    step: _Step,
+    chunk: scheduling.Chunk,
+    reward_pool: pool_lib.RewardPool,
+    detokenize: Callable[[Sequence[int]], str] | None,
+) -> list[scheduling.Unfinished]:
+    """Copy a decoded chunk to the host, submit its finished rows, return the unfinished."""
+    out = jax.device_get(out)  # blocks until this chunk is decoded
+    t = time.perf_counter()
+    buf, max_new_tokens = progress.buffers, step.config.sampling.max_new_tokens
+    buf.write(chunk, out, prompt_width=step.prompt_width)
+    n = len(chunk.request_indices)
+    new = tuple(int(x) for x in out.lengths[:n] - np.asarray(chunk.start_lengths))
+    progress.records.append(
+        scheduling.ChunkRecord(chunk=chunk, num_steps=int(out.num_steps), num_new_tokens=new)
+    )
+    done, unfinished = [], []
+    for r in chunk.request_indices:
+        length = int(buf.lengths[r])
+        if buf.finished[r] or length >= max_new_tokens:
+            done.append(r)
+        else:
+            prompt_length = step.requests[r].prompt_length
+            unfinished.append(
+                scheduling.Unfinished(index=r, prompt_length=prompt_length, num_generated=length)
+            )
+    items = []
+    for r in done:
+        completion = buf.tokens[r, : buf.lengths[r]].tolist()
+        if detokenize is not None:
+            progress.host_texts[r] = completion = detokenize(completion)
+        p = step.row_prompt[r]
+        items.append((step.prompt_texts[p], completion, step.metas[p]))
+    progress.task_of_row.update(zip(done, reward_pool.submit(items), strict=True))
+    progress.handoff_s += time.perf_counter() - t
+    return unfinished
+
+
+def _decode(
+    model: sampler.SamplingModel,
+    params,
+    *,
+    key: jax.Array,
+    step: _Step,
+    wave: list[scheduling.Chunk],
+    reward_pool: pool_lib.RewardPool,
+    detokenize: Callable[[Sequence[int]], str] | None,
+) -> _Progress:
+    """Decode every wave of chunks, handing each off while the next one decodes."""
+    buffers = _Buffers.empty(step, num_layers=model.num_layers, top_k=model.top_k)
+    progress = _Progress(buffers=buffers)
+    hand_off = dict(step=step, reward_pool=reward_pool, detokenize=detokenize)
+    number = 0  # chunks dispatched so far: chunk `number` draws from fold_in(key, number)
+    while wave:
+        unfinished, pending = [], None
+        for chunk in wave:
+            number += 1
+            out = _dispatch(
+                model, params, key=jax.random.fold_in(key, number), step=step,
+                buffers=progress.buffers, chunk=chunk,
+            )  # fmt: skip
+            if pending is not None:  # the previous chunk, while this one decodes
+                unfinished += _hand_off(progress, pending[1], chunk=pending[0], **hand_off)
+            pending = (chunk, out)
+        unfinished += _hand_off(progress, pending[1], chunk=pending[0], **hand_off)
+        wave = scheduling.continuation_plan(unfinished, **step.config.plan_kwargs())
+    return progress
+
+
+def _assemble(step: _Step, progress: _Progress, scores: pool_lib.RewardResults) -> types.Rollout:
+    """The rows as one `types.Rollout` (host numpy arrays)."""
+    buf, pad_id = progress.buffers, step.config.sampling.pad_id
+    prompt_rows = [step.prompts[p] for p in step.row_prompt]
+    prompt_tokens, prompt_mask = sampler.left_pad(
+        prompt_rows, [len(x) for x in prompt_rows], width=step.prompt_width, pad_id=pad_id
+    )
+    samples = types.Samples(
         prompt_tokens=prompt_tokens,
         prompt_mask=prompt_mask,
         tokens=buf.tokens,
-        mask=np.arange(Tg)[None] < buf.lengths[:, None],
+        mask=np.arange(step.gen_width)[None] < buf.lengths[:, None],
         lengths=buf.lengths,
         finished=buf.finished,
         logps=buf.logps,
         entropies=buf.entropies,
-        router=types.RouterTrace(expert_ids=buf.ids, expert_weights=buf.weights),
-        group_ids=row_prompt.astype(np.int32),
-        rewards=scores.rewards,
-        reward_ok=scores.ok,
-        prompts=tuple(prompt_texts[p] for p in row_prompt),
-        completions=tuple(completions),
+        router=types.RouterTrace(expert_ids=buf.expert_ids, expert_weights=buf.expert_weights),
+    )
+    return types.Rollout.from_samples(
+        samples,
+        group_ids=step.row_prompt.astype(np.int32),
+        rewards=np.asarray(scores.rewards),
+        reward_ok=np.asarray(scores.ok),
+    )
+
+
+def _metrics(
+    step: _Step,
+    progress: _Progress,
+    *,
+    times: tuple[float, float, float],
+    new_compiles: int,
+    pool_before: Mapping[str, float],
+    pool_after: Mapping[str, float],
+) -> dict[str, float]:
+    t0, t_generated, t_end = times
+    lengths, finished = progress.buffers.lengths, progress.buffers.finished
+    schedule = scheduling.schedule_metrics(progress.records, num_shards=step.config.num_shards)
+    return {
+        **{f"rollout/{k}": v for k, v in schedule.items()},
+        "rollout/generate_s": t_generated - t0,
+        "rollout/host_handoff_s": progress.handoff_s,
+        "rollout/reward_wait_s": t_end - t_generated,
+        "rollout/total_s": t_end - t0,
+        "rollout/tokens_per_s": int(lengths.sum()) / max(t_generated - t0, 1e-9),
+        "rollout/new_compiles": float(new_compiles),
+        "rollout/truncated_fraction": float(np.mean(~finished)),
+        "rollout/mean_length": float(lengths.mean()),
+        **{k: pool_after[k] - pool_before[k] for k in pool_after},
+    }
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def generate_and_score(
+    model: handle.Model | sampler.SamplingModel | config_lib.ModelConfig,
+    params,
+    *,
+    prompts: Sequence[Sequence[int]],
+    prompt_texts: Sequence[str],
+    metas: Sequence[Mapping],
+    group_sizes: int | Sequence[int],
+    key: jax.Array,
+    config: RolloutConfig,
+    reward_pool: pool_lib.RewardPool,
+    predictor: scheduling.LengthPredictor | None = None,
+    prompt_ids: Sequence[str | int] | None = None,
+    detokenize: Callable[[Sequence[int]], str] | None = None,
+) -> RolloutResult:
+    """Sample `group_sizes[p]` completions of each prompt and score them (see module doc).
+
+    Args:
+      model: an `espo.model.Model`, any `sampler.SamplingModel`, or a `ModelConfig`.
+      prompts: token ids of each prompt; `prompt_texts` / `metas` go to the reward function.
+      group_sizes: G for every prompt, or one G per prompt (adaptive group size).
+      config: sampling and scheduling settings.
+      predictor: learns lengths across steps (updated in place); needs `prompt_ids`. None: a
+        fresh one for this call (no history).
+      prompt_ids: stable ids of the prompts, the keys of the predictor's history.
+      detokenize: None (default): the reward pool's workers detokenize (the pool needs
+        `RewardPool(detokenize=...)`); a callable: detokenize on the host, serially.
+    """
+    if not isinstance(config, RolloutConfig):
+        raise ValueError(f"config={config!r} is invalid: an espo.rollout.RolloutConfig")
+    sizes = _check_inputs(
+        prompts=prompts, prompt_texts=prompt_texts, metas=metas, group_sizes=group_sizes,
+        predictor=predictor, prompt_ids=prompt_ids, reward_pool=reward_pool,
+        detokenize=detokenize,
+    )  # fmt: skip
+    model = sampler.sampling_model(model)
+    predictor = predictor if predictor is not None else scheduling.LengthPredictor()
+    step = _plan(
+        prompts=prompts, prompt_texts=prompt_texts, metas=metas, sizes=sizes,
+        prompt_ids=prompt_ids, config=config,
+    )  # fmt: skip
+    wave = _first_wave(step, predictor)
+    compiles_before, pool_before = sampler.compile_count(), reward_pool.metrics()
+    t0 = time.perf_counter()
+    progress = _decode(
+        model, params, key=key, step=step, wave=wave, reward_pool=reward_pool,
+        detokenize=detokenize,
+    )  # fmt: skip
+    t_generated = time.perf_counter()
+    N = len(step.requests)
+    scores = reward_pool.results([progress.task_of_row[r] for r in range(N)])
+    if detokenize is None:
+        completions = tuple(scores.completions)  # the workers' texts
+    else:
+        completions = tuple(progress.host_texts[r] for r in range(N))
+    t_end = time.perf_counter()
+    predictor.observe_requests(step.requests, progress.buffers.lengths.tolist())
+    metrics = _metrics(
+        step, progress, times=(t0, t_generated, t_end),
+        new_compiles=sampler.compile_count() - compiles_before, pool_before=pool_before,
+        pool_after=reward_pool.metrics(),
+    )  # fmt: skip
+    return RolloutResult(
+        rollout=_assemble(step, progress, scores),
+        completions=completions,
         metrics=metrics,
     )

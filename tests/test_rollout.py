@@ -1,25 +1,29 @@
 """generate_and_score: exact rollouts on a fake model, real distributions on the tiny model,
-scheduling, overlap of rewards with decoding (proven by order of events, never elapsed time).
+scheduling, overlap of rewards with decoding (proven by order of events, never elapsed time),
+and a `Rollout` that is arrays only (texts and metrics beside it in the `RolloutResult`).
 """
 
 import dataclasses
 import functools
 import os
+import re
 import threading
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo import model, rollout, sampler, scheduling, testing
+from espo import model, rollout, sampler, scheduling, testing, train_step, types
 from espo.rewards import pool as pool_lib
 
 V = 64
 EOS = V - 1
-SAMPLING = sampler.SamplingParams(max_new_tokens=40, eos_id=EOS, pad_id=0)
+SAMPLING = sampler.SamplingParams(max_new_tokens=40, stop_ids=(EOS,), pad_id=0)
 BUCKETS = scheduling.LengthBuckets(prompt_buckets=(4, 8), generation_buckets=(8, 16, 32, 48))
+CONFIG = rollout.RolloutConfig(sampling=SAMPLING, buckets=BUCKETS, max_chunk_size=4)
 SIZES = [2, 1, 3, 2, 1, 2, 2, 1]
 IDS = [f"q{i}" for i in range(8)]
 
@@ -39,11 +43,13 @@ def reward_pool():
 
 
 def _run(reward_pool, fake, **kw):
+    """generate_and_score on the 8 prompts; RolloutConfig fields may be given as keywords."""
     prompts, _ = _prompts()
+    fields = {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
+    config = dataclasses.replace(CONFIG, **{k: kw.pop(k) for k in fields & kw.keys()})
     args = dict(
         prompts=prompts, prompt_texts=[f"p{i}" for i in range(8)], metas=[{}] * 8,
-        group_sizes=SIZES, key=jax.random.key(0), sampling=SAMPLING, buckets=BUCKETS,
-        max_chunk_size=4, reward_pool=reward_pool,
+        group_sizes=SIZES, key=jax.random.key(0), config=config, reward_pool=reward_pool,
     )  # fmt: skip
     if kw.get("predictor") is not None:
         args["prompt_ids"] = IDS
@@ -53,7 +59,8 @@ def _run(reward_pool, fake, **kw):
 def test_exact_rollout_continuations_rewards_and_trace(reward_pool):
     # A predictor that guesses 4 tokens: chunks get budget 8 and long rows must be continued.
     short = scheduling.LengthPredictor(default_length=4)
-    out = _run(reward_pool, testing.CountingModel(vocab=V), predictor=short)
+    result = _run(reward_pool, testing.CountingModel(vocab=V), predictor=short)
+    out, metrics = result.rollout, result.metrics
     prompts, lasts = _prompts()
     np.testing.assert_array_equal(out.group_ids, np.repeat(np.arange(8), SIZES))
     for r, p in enumerate(out.group_ids):
@@ -61,22 +68,22 @@ def test_exact_rollout_continuations_rewards_and_trace(reward_pool):
         want = list(range(lasts[p] + 1, lasts[p] + 1 + n))
         assert out.lengths[r] == n and out.tokens[r, :n].tolist() == want
         assert out.finished[r] == (63 - lasts[p] <= 40)
-        assert out.completions[r] == str(want)  # detokenized by a worker
+        assert result.completions[r] == str(want)  # detokenized by a worker
         assert out.rewards[r] == pytest.approx(len(str(want)) / 10)
     assert out.reward_ok.all()
     # Rows that needed more than one chunk were continued (budget 8 < their length), and
     # their prefill was paid again.
-    assert out.metrics["rollout/num_chunks"] > 5 and out.metrics["rollout/reprefill_positions"]
+    assert metrics["rollout/num_chunks"] > 5 and metrics["rollout/reprefill_positions"]
     # The router trace covers prompt + completion in the training layout (-1 on padding).
     tokens, mask = out.training_inputs()
     np.testing.assert_array_equal(out.router.expert_ids[:, 0, :, 0], np.where(mask, tokens % 3, -1))
     np.testing.assert_allclose(out.logps[out.mask], 0.0, atol=1e-6)
     # Metrics: the prompts ending in 20 and 10 run past max_new_tokens (43 and 53 > 40).
     truncated = [63 - lasts[p] > 40 for p in out.group_ids]
-    assert out.metrics["rollout/truncated_fraction"] == pytest.approx(np.mean(truncated))
-    assert out.metrics["rollout/useful_tokens"] == out.lengths.sum()
-    assert out.metrics["rollout/mean_length"] == pytest.approx(out.lengths.mean())
-    assert out.metrics["reward/num_ok"] == len(out.lengths) and out.metrics["reward/retries"] == 0
+    assert metrics["rollout/truncated_fraction"] == pytest.approx(np.mean(truncated))
+    assert metrics["rollout/useful_tokens"] == out.lengths.sum()
+    assert metrics["rollout/mean_length"] == pytest.approx(out.lengths.mean())
+    assert metrics["reward/num_ok"] == len(out.lengths) and metrics["reward/retries"] == 0
     # The predictor learnt each prompt's length under its id.
     np.testing.assert_allclose(
         short.predict([scheduling.Request(prompt_id=i, sample_index=0, prompt_length=1)
@@ -90,7 +97,7 @@ def test_host_detokenization_gives_the_same_rollout(reward_pool):
     in_workers = _run(reward_pool, fake)
     on_host = _run(reward_pool, fake, detokenize=lambda t: str(t))
     assert on_host.completions == in_workers.completions
-    np.testing.assert_array_equal(on_host.rewards, in_workers.rewards)
+    chex.assert_trees_all_equal(on_host.rollout, in_workers.rollout)
     assert on_host.metrics["rollout/host_handoff_s"] > 0
     with (
         pool_lib.RewardPool(testing.length_reward, num_workers=1) as plain,
@@ -114,12 +121,13 @@ def test_failed_rewards_are_flagged_and_counted():
     fake = testing.CountingModel(vocab=V)
     metas = [{"fail": p in (1, 4)} for p in range(8)]
     with pool_lib.RewardPool(FAILING, num_workers=2, detokenize=str, failed_reward=-3.0) as p:
-        out = _run(p, fake, metas=metas)
+        result = _run(p, fake, metas=metas)
+    out = result.rollout
     bad = np.isin(out.group_ids, [1, 4])
     np.testing.assert_array_equal(out.reward_ok, ~bad)
     assert (out.rewards[bad] == -3.0).all() and (out.rewards[~bad] > 0).all()
-    assert out.metrics["reward/num_error"] == bad.sum() == 2
-    assert all(c.startswith("[") for c in out.completions)  # scored text kept for failed ones
+    assert result.metrics["reward/num_error"] == bad.sum() == 2
+    assert all(c.startswith("[") for c in result.completions)  # scored text kept for failed ones
 
 
 def test_fifo_and_length_aware_agree_and_waste_less(reward_pool):
@@ -128,9 +136,9 @@ def test_fifo_and_length_aware_agree_and_waste_less(reward_pool):
     _run(reward_pool, fake, predictor=predictor)  # one step of history
     aware = _run(reward_pool, fake, predictor=predictor)
     fifo = _run(reward_pool, fake, schedule="fifo")
-    for field in ("tokens", "lengths", "finished", "rewards", "group_ids"):
-        np.testing.assert_array_equal(getattr(aware, field), getattr(fifo, field))
-    np.testing.assert_array_equal(aware.router.expert_ids, fifo.router.expert_ids)
+    # The same samples, whatever the order they were decoded in (log-probs ~1e-12 here).
+    chex.assert_trees_all_close(aware.rollout, fifo.rollout, atol=1e-6)
+    assert aware.completions == fifo.completions
     assert aware.metrics["rollout/padding_waste"] < fifo.metrics["rollout/padding_waste"]
 
 
@@ -158,8 +166,9 @@ def test_chunks_are_balanced_over_the_shards(reward_pool, monkeypatch):
     assert 1.0 < out.metrics["rollout/shard_imbalance"] < 3.0
     one = _run(reward_pool, fake, predictor=short, max_chunk_size=2)
     assert one.metrics["rollout/shard_imbalance"] == 1.0
-    np.testing.assert_array_equal(one.tokens, out.tokens)  # shards change the plan, not samples
-    with pytest.raises(ValueError, match="num_shards=0"):
+    # shards change the plan, not the samples
+    chex.assert_trees_all_close(one.rollout, out.rollout, atol=1e-6)
+    with pytest.raises(ValueError, match="RolloutConfig.num_shards=0 is invalid"):
         _run(reward_pool, fake, num_shards=0)
 
 
@@ -276,7 +285,7 @@ def test_rewards_overlap_generation(tmp_path):
             _ProbedModel(testing.CountingModel(vocab=V), probe),
             metas=[meta] * 8,
         )
-    assert out.reward_ok.all(), out.metrics
+    assert out.rollout.reward_ok.all(), out.metrics
     assert probe.events == ["decode step after a submission", "reward started", "decoded"]
     assert out.metrics["rollout/num_chunks"] >= 3
 
@@ -284,24 +293,26 @@ def test_rewards_overlap_generation(tmp_path):
 # ---------------------------------------------------------------- the tiny real model
 
 CFG = model.ModelConfig.tiny(vocab_size=V)
+MODEL = model.Model(CFG)
 TINY_BUCKETS = scheduling.LengthBuckets(prompt_buckets=(8,), generation_buckets=(4, 8, 16))
 
 
 @pytest.fixture(scope="module")
 def params():
-    return model.init(CFG, jax.random.key(0))
+    return MODEL.init(jax.random.key(0))
 
 
 def _run_tiny(params, reward_pool, *, key=0, temperature=1.0, group_sizes=(4, 3)):
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(2, V, 7)), list(rng.randint(2, V, 5))]
+    sampling = sampler.SamplingParams(
+        max_new_tokens=16, stop_ids=(1,), pad_id=0, temperature=temperature
+    )
     return rollout.generate_and_score(
-        CFG, params, prompts=prompts, prompt_texts=["a", "b"], metas=[{}, {}],
+        MODEL, params, prompts=prompts, prompt_texts=["a", "b"], metas=[{}, {}],
         group_sizes=list(group_sizes), key=jax.random.key(key),
-        sampling=sampler.SamplingParams(
-            max_new_tokens=16, eos_id=1, pad_id=0, temperature=temperature
-        ),
-        buckets=TINY_BUCKETS, max_chunk_size=2, reward_pool=reward_pool,
+        config=rollout.RolloutConfig(sampling=sampling, buckets=TINY_BUCKETS, max_chunk_size=2),
+        reward_pool=reward_pool,
         # Budget 4: every row not done after 4 tokens is continued (to 8, then 16).
         predictor=scheduling.LengthPredictor(default_length=2), prompt_ids=["a", "b"],
     )  # fmt: skip
@@ -311,14 +322,12 @@ def test_chunks_draw_independently_and_a_key_reproduces(params, reward_pool):
     """G=4 samples of prompt 0 fill chunks (0, 1) and (2, 3): rows 0 and 2 sit at chunk row 0 in
     two chunks. With one key for every chunk they would be identical (a fake zero-variance
     group); with fold_in(key, chunk) all samples differ. The same key reproduces exactly."""
-    out = _run_tiny(params, reward_pool)
+    out = _run_tiny(params, reward_pool).rollout
     first = out.tokens[out.group_ids == 0]
     assert len({tuple(row) for row in first}) == 4, first
-    again = _run_tiny(params, reward_pool)
-    for field in ("tokens", "lengths", "logps", "entropies", "rewards"):
-        np.testing.assert_array_equal(getattr(again, field), getattr(out, field))
-    np.testing.assert_array_equal(again.router.expert_ids, out.router.expert_ids)
-    other = _run_tiny(params, reward_pool, key=1)
+    again = _run_tiny(params, reward_pool).rollout
+    chex.assert_trees_all_equal(again, out)  # bit for bit, every array of the rollout
+    other = _run_tiny(params, reward_pool, key=1).rollout
     assert not np.array_equal(other.tokens, out.tokens)
 
 
@@ -327,16 +336,18 @@ def test_logps_and_entropies_equal_a_recompute_on_continued_rows(params, reward_
     full forward of the model over the returned prompt + completion:
     logp_t = log_softmax(logits_{t-1} / T)[token_t], H_t = -sum_v p_v log p_v (full vocab)."""
     temperature = 0.7
-    out = _run_tiny(params, reward_pool, temperature=temperature)
-    assert out.metrics["rollout/num_chunks"] > 4  # waves of continuations (budget 4, 8, 16)
+    result = _run_tiny(params, reward_pool, temperature=temperature)
+    out = result.rollout
+    assert result.metrics["rollout/num_chunks"] > 4  # waves of continuations (budget 4, 8, 16)
     continued = out.lengths > 4
     assert continued.sum() >= 3
     tokens, mask = out.training_inputs()
-    logits = model.forward(CFG, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+    recomputed = train_step.token_logps(
+        CFG, params, jnp.asarray(tokens), jnp.asarray(mask), temperature=temperature
+    )
     Tp = out.prompt_tokens.shape[1]
-    logp = jax.nn.log_softmax(logits.logits[:, Tp - 1 : -1] / temperature, axis=-1)  # [N, Tg, V]
-    token_logp = np.take_along_axis(np.asarray(logp), out.tokens[..., None], -1)[..., 0]
-    entropy = -np.sum(np.exp(np.asarray(logp)) * np.asarray(logp), axis=-1)  # [N, Tg]
+    token_logp = np.asarray(train_step.completion(recomputed.logps, prompt_length=Tp))
+    entropy = np.asarray(train_step.completion(recomputed.entropies, prompt_length=Tp))
     m = out.mask
     np.testing.assert_allclose(out.logps[m], token_logp[m], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(out.entropies[m], entropy[m], atol=1e-4, rtol=1e-4)
@@ -346,10 +357,33 @@ def test_logps_and_entropies_equal_a_recompute_on_continued_rows(params, reward_
 
 
 def test_bad_arguments(reward_pool):
-    with pytest.raises(ValueError, match="schedule='lifo'"):
-        _run(reward_pool, testing.CountingModel(vocab=V), schedule="lifo")
-    with pytest.raises(ValueError, match="SamplingParams.top_p=0"):
-        sampler.SamplingParams(max_new_tokens=4, top_p=0, eos_id=1, pad_id=0)
-    big = sampler.SamplingParams(max_new_tokens=100, eos_id=EOS, pad_id=0)
-    with pytest.raises(ValueError, match="max_new_tokens=100"):
-        _run(reward_pool, testing.CountingModel(vocab=V), sampling=big)
+    fake = testing.CountingModel(vocab=V)
+    with pytest.raises(ValueError, match="RolloutConfig.schedule='lifo' is invalid"):
+        _run(reward_pool, fake, schedule="lifo")
+    with pytest.raises(ValueError, match="RolloutConfig.max_chunk_size=0 is invalid"):
+        _run(reward_pool, fake, max_chunk_size=0)
+    with pytest.raises(ValueError, match="SamplingParams.top_p=0 is invalid"):
+        sampler.SamplingParams(max_new_tokens=4, top_p=0, stop_ids=(1,), pad_id=0)
+    big = sampler.SamplingParams(max_new_tokens=100, stop_ids=(EOS,), pad_id=0)
+    with pytest.raises(ValueError, match=r"RolloutConfig.sampling.max_new_tokens=100 is invalid"):
+        _run(reward_pool, fake, sampling=big)
+    with pytest.raises(ValueError, match=re.escape("group_sizes=[2, 0] is invalid")):
+        _run(reward_pool, fake, group_sizes=[2, 0])
+    with pytest.raises(ValueError, match="config=None is invalid"):
+        _run(reward_pool, fake, config=None)
+
+
+def test_rollouts_differing_in_text_share_one_compile(reward_pool):
+    """Texts and metrics travel beside the Rollout (arrays only), so a jitted function of two
+    rollouts with other completions, prompt texts and metrics compiles once. (A static text
+    field in the pytree would make the second call a cache miss.)"""
+    fake = testing.CountingModel(vocab=V)
+    first = _run(reward_pool, fake)
+    other = _run(reward_pool, fake, prompt_texts=[f"other {i}" for i in range(8)])
+    assert isinstance(first.rollout, types.Rollout) and first.completions
+    assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(first.rollout))
+    total = jax.jit(lambda r: jnp.sum(r.logps * r.mask) + jnp.sum(r.rewards))
+    total(first.rollout)
+    total(other.rollout)
+    assert total._cache_size() == 1
+    chex.assert_trees_all_equal_structs(first.rollout, other.rollout)
