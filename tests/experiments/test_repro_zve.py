@@ -1,26 +1,20 @@
 """experiments/repro_zve.py on a small simulated dataset: each ZVE stage moves the ZVP rate the
 way the paper says, and the optimiser modes keep or remove ZVP groups as documented."""
 
-import importlib.util
 import pathlib
 
 import numpy as np
 import pytest
 
+from espo import testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIZES = dict(num_prompts=512, batch_size=32, num_steps=4)
 
 
-def _load(path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def repro():
-    return _load(ROOT / "experiments" / "repro_zve.py")
+    return testing.load_script(ROOT / "experiments" / "repro_zve.py")
 
 
 @pytest.fixture(scope="module")

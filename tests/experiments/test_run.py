@@ -1,30 +1,22 @@
 """The entry point and the configs: every config parses, the tiny variant runs end to end."""
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from espo import losses, model, sampler, zero_variance
+from espo import losses, model, sampler, testing, zero_variance
 from espo.rewards import reward_model, shaping
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))
 
 
-def _load(path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_every_config_parses_and_its_model_builds(path):
     for variant in ("", "tiny"):
-        config = _load(path).get_config(variant)
+        config = testing.load_script(path).get_config(variant)
         fields = {k: v for k, v in config.model.to_dict().items() if k != "hf_path"}
         model.ModelConfig(**fields)  # validated
         # Every section maps one to one onto its module's validated dataclass.
@@ -33,9 +25,9 @@ def test_every_config_parses_and_its_model_builds(path):
         shaping.ShapingConfig(**config.reward.shaping.to_dict())
         reward_model.RmAdjustConfig(**config.reward.rm_adjust.to_dict())
         sampling = {k: config.rollout[k] for k in ("max_new_tokens", "temperature", "top_p")}
-        sampler.SamplingParams(**sampling, top_k=config.rollout.top_k, eos_id=1, pad_id=0)
+        sampler.SamplingParams(**sampling, top_k=config.rollout.top_k, stop_ids=(1,), pad_id=0)
     with pytest.raises(ValueError, match="variant 'huge' is invalid"):
-        _load(path).get_config("huge")
+        testing.load_script(path).get_config("huge")
 
 
 def test_run_tiny_prints_a_summary():

@@ -9,9 +9,7 @@ dropped or misplaced scale shows. Tolerance: 1e-4 for module outputs (STYLE.md).
 """
 
 import functools
-import importlib.util
 import pathlib
-import sys
 
 import chex
 import jax
@@ -20,18 +18,14 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from espo import model, types
+from espo import model, testing, types
 from espo.model import ModelConfig, RoutingMode, layers, moe
 
 
 def _load_reference():
     """tests/model/numpy_reference.py by path (pytest runs with --import-mode=importlib)."""
     path = pathlib.Path(__file__).with_name("numpy_reference.py")
-    spec = importlib.util.spec_from_file_location("espo_numpy_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return testing.load_script(path, name="espo_numpy_reference")
 
 
 ref = _load_reference()

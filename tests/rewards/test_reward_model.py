@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 import pathlib
 
@@ -20,7 +19,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from espo import advantages, model
+from espo import advantages, model, testing
 from espo.rewards import reward_model as rm
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -425,11 +424,7 @@ def test_bt_objective_includes_the_router_aux_loss():
 
 
 def _load_repro():
-    path = REPO / "experiments" / "repro_inversion.py"
-    spec = importlib.util.spec_from_file_location("repro_inversion", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return testing.load_script(REPO / "experiments" / "repro_inversion.py")
 
 
 @pytest.fixture(scope="module")
