@@ -10,7 +10,9 @@ Rows:
      tokens, greedy-token agreement and router-id disagreement;
   3. padding waste, FIFO vs length-aware, on a heavy-tailed (lognormal) length workload: decode
      slots, plus the re-prefill of continued rows (each re-prefill position counted as one
-     slot-step), and decode slots alone;
+     slot-step), and decode slots alone. The workload runs the real espo model (a small random
+     MoE whose embedding and LM head are set so that greedy decoding counts t -> t + 1, see
+     `counting_model`), so every completion length is known in advance;
   4. detokenization: host time per rollout step (`rollout/host_handoff_s`) and step time with
      a pure-Python byte-level decoder run serially on the host vs in the reward workers;
   5. overlap: wall time of generate_and_score with a slow reward vs generation-only and
@@ -22,8 +24,8 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
-import importlib.util
 import pathlib
 import tempfile
 import time
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from espo import model, quant, rollout, sampler, scheduling, testing
+from espo import model, quant, rollout, sampler, scheduling, testing, train_step
 from espo.rewards import pool as pool_lib
 
 PEAK_BANDWIDTH_GBS = {"H100": 3350.0, "H200": 4800.0}
@@ -48,11 +50,17 @@ def _timed(fn, repeats):
     return min(times)
 
 
+def _never_stop(cfg) -> tuple[int, ...]:
+    """A stop id outside the vocabulary: the model cannot emit it, so every row decodes
+    exactly max_new_tokens tokens (fixed-length throughput)."""
+    return (cfg.vocab_size,)
+
+
 def espo_decode_tokens_per_s(cfg, params, prompts, *, new_tokens, repeats=2):
     lengths = np.full(len(prompts), prompts.shape[1])
     run = functools.partial(
-        sampler.sample, cfg, params, prompts, lengths, key=jax.random.key(0), num_samples=1,
-        max_new_tokens=new_tokens, eos_id=-1, pad_id=0,
+        sampler.sample, model.Model(cfg), params, prompts, lengths, key=jax.random.key(0),
+        num_samples=1, max_new_tokens=new_tokens, stop_ids=_never_stop(cfg), pad_id=0,
         buckets=scheduling.LengthBuckets(
             prompt_buckets=(prompts.shape[1],), generation_buckets=(new_tokens,)
         ),
@@ -85,7 +93,7 @@ def _as_bf16(cfg, params):
 
 
 def _greedy_agreement(cfg, params_a, params_b, tokens, mask):
-    fwd = jax.jit(functools.partial(model.forward, cfg))
+    fwd = jax.jit(model.Model(cfg).forward)
     a = jnp.argmax(fwd(params_a, tokens, attention_mask=mask).logits, -1)
     b = jnp.argmax(fwd(params_b, tokens, attention_mask=mask).logits, -1)
     return float(jnp.sum((a == b) * mask) / jnp.sum(mask))
@@ -96,15 +104,15 @@ def fp8_mismatch(cfg, params, prompts, *, new_tokens):
     cfg16, bf16 = _as_bf16(cfg, params)
     q = quant.quantize_fp8(bf16)
     lengths = np.full(len(prompts), prompts.shape[1])
+    m16 = model.Model(cfg16)
     out = sampler.sample(
-        cfg16, q, prompts, lengths, key=jax.random.key(1), num_samples=1,
-        max_new_tokens=new_tokens, eos_id=-1, pad_id=0,
+        m16, q, prompts, lengths, key=jax.random.key(1), num_samples=1,
+        max_new_tokens=new_tokens, stop_ids=_never_stop(cfg), pad_id=0,
     )  # fmt: skip
     tokens, mask = out.training_inputs()
-    ref = jax.jit(functools.partial(model.forward, cfg16))(bf16, tokens, attention_mask=mask)
-    Tp = out.prompt_tokens.shape[1]
-    logp = jax.nn.log_softmax(ref.logits[:, Tp - 1 : -1].astype(jnp.float32), axis=-1)
-    ref_logps = jnp.take_along_axis(logp, out.tokens[..., None], -1)[..., 0]
+    ref = jax.jit(m16.forward)(bf16, tokens, attention_mask=mask)  # its free routing
+    scored = jax.jit(train_step.token_logps, static_argnums=0)(cfg16, bf16, tokens, mask)
+    ref_logps = train_step.completion(scored.logps, prompt_length=out.prompt_tokens.shape[1])
     m = out.mask
     real = np.asarray(mask)[:, None, :, None] & (np.asarray(out.router.expert_ids) >= 0)
     flips = np.sort(out.router.expert_ids, -1) != np.sort(ref.router.expert_ids, -1)
@@ -136,15 +144,46 @@ class ByteLevelDecoder:
         return bytearray(self.byte_of[c] for c in text).decode("utf-8", errors="replace")
 
 
+@functools.lru_cache(maxsize=4)
+def counting_model(vocab: int, *, seed: int = 0) -> tuple[model.Model, dict]:
+    """A small random espo MoE (`ModelConfig.tiny`, `vocab` tokens) whose greedy decode counts:
+    after token t comes (t + 1) % vocab, whatever the context.
+
+    Every other weight (attention, router, experts) is the random init, so the sampler does a
+    real model's work per token; only the embedding and LM head are set: the embedding rows are
+    scaled x8 (attention and expert outputs, computed from normalised inputs, barely turn the
+    residual), and LM-head column j is row j - 1 of the embedding, normalised, times 50 / sqrt(D),
+    so the next-token logit of t + 1 beats every other by > 20 (checked here on all tokens).
+    """
+    m = model.Model(model.ModelConfig.tiny(vocab_size=vocab))
+    params = m.init(jax.random.key(seed))
+    embed = np.asarray(params["embed"], np.float64)  # [V, D]
+    unit = embed / np.linalg.norm(embed, axis=1, keepdims=True)  # [V, D]
+    lm_head = 50.0 * np.roll(unit, 1, axis=0).T / np.sqrt(embed.shape[1])  # [D, V]
+    params = dict(
+        params,
+        embed=jnp.asarray(8.0 * embed, jnp.float32),
+        lm_head=jnp.asarray(lm_head, jnp.float32),
+    )
+    logits = np.asarray(jax.jit(m.forward)(params, jnp.arange(vocab)[None]).logits[0])  # [V, V]
+    top2 = np.sort(logits, axis=-1)[:, -2:]  # [V, 2]
+    if not (
+        (logits.argmax(-1) == (np.arange(vocab) + 1) % vocab).all()
+        and (top2[:, 1] - top2[:, 0]).min() > 20
+    ):
+        raise RuntimeError(f"counting_model(vocab={vocab}, seed={seed}) does not count")
+    return m, params
+
+
 def _lognormal_workload(*, num_prompts, group_size, max_new_tokens, seed=0, step=0):
-    """(fake model, prompt rows, prompt ids, buckets, sampling) for one rollout step.
+    """(model, params, prompt rows, prompt ids, rollout config) for one rollout step.
 
     Prompt p has a typical length lognormal(median max_new_tokens / 12, sigma 1); each of its
-    G samples, redrawn every step, is that times lognormal(0, 0.25). CountingModel generates
-    exactly n tokens after a prompt ending in vocab - 1 - n, so every sample is its own prompt
-    row (group size 1) and the G rows of prompt p share the id "prompt-p": the predictor sees
-    what it would see from a real policy, a per-prompt length with spread across samples and
-    steps.
+    G samples, redrawn every step, is that times lognormal(0, 0.25). The counting model decodes
+    greedily exactly n tokens after a prompt ending in vocab - 1 - n (the stop id is vocab - 1),
+    so every sample is its own prompt row (group size 1) and the G rows of prompt p share the
+    id "prompt-p": the predictor sees what it would see from a real policy, a per-prompt length
+    with spread across samples and steps.
     """
     vocab = max_new_tokens + 64
     typical = np.random.RandomState(seed).lognormal(np.log(max_new_tokens / 12), 1.0, num_prompts)
@@ -156,16 +195,19 @@ def _lognormal_workload(*, num_prompts, group_size, max_new_tokens, seed=0, step
     buckets = scheduling.LengthBuckets(
         prompt_buckets=(8,), generation_buckets=(*gens, max_new_tokens)
     )
-    sampling = sampler.SamplingParams(max_new_tokens=max_new_tokens, eos_id=vocab - 1, pad_id=0)
-    return testing.CountingModel(vocab=vocab), prompts, ids, buckets, sampling
+    sampling = sampler.SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=(vocab - 1,), pad_id=0
+    )
+    config = rollout.RolloutConfig(sampling=sampling, buckets=buckets, max_chunk_size=16)
+    return (*counting_model(vocab), prompts, ids, config)
 
 
-def _run_step(pool, workload, **kw):
-    fake, prompts, ids, buckets, sampling = workload
+def _run_step(pool, workload, *, schedule="length_aware", **kw):
+    m, params, prompts, ids, config = workload
     n = len(prompts)
     return rollout.generate_and_score(
-        fake, None, prompts=prompts, prompt_texts=["p"] * n, metas=[{}] * n, group_sizes=1,
-        key=jax.random.key(0), sampling=sampling, buckets=buckets, max_chunk_size=16,
+        m, params, prompts=prompts, prompt_texts=["p"] * n, metas=[{}] * n, group_sizes=1,
+        key=jax.random.key(0), config=dataclasses.replace(config, schedule=schedule),
         reward_pool=pool, prompt_ids=ids, **kw,
     ).metrics  # fmt: skip
 
@@ -210,7 +252,7 @@ def detokenization(*, num_prompts, group_size, max_new_tokens, decoder, repeats=
         ) as pool:  # fmt: skip
             _run_step(pool, workload, schedule="fifo", **kw)  # compile, start workers
             steps = [_run_step(pool, workload, schedule="fifo", **kw) for _ in range(repeats)]
-        failed = sum(m["reward/num_ok"] != len(workload[1]) for m in steps)
+        failed = sum(m["reward/num_ok"] != len(workload[2]) for m in steps)
         if failed:  # e.g. workers that cannot unpickle the decoder: the timing would be void
             raise RuntimeError(f"detokenize in {where}: {failed} steps had failed rewards")
         out[where] = {
@@ -224,16 +266,21 @@ def overlap(cfg, params, *, num_prompts, group_size, new_tokens, sleep_s):
     """Wall time of generate_and_score with a slow reward vs its two halves alone."""
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(2, cfg.vocab_size, 12)) for _ in range(num_prompts)]
-    buckets = scheduling.LengthBuckets(prompt_buckets=(16,), generation_buckets=(new_tokens,))
-    sampling = sampler.SamplingParams(max_new_tokens=new_tokens, eos_id=-1, pad_id=0)
+    config = rollout.RolloutConfig(
+        sampling=sampler.SamplingParams(
+            max_new_tokens=new_tokens, stop_ids=_never_stop(cfg), pad_id=0
+        ),
+        buckets=scheduling.LengthBuckets(prompt_buckets=(16,), generation_buckets=(new_tokens,)),
+        max_chunk_size=8,
+        schedule="fifo",
+    )
     n = num_prompts * group_size
 
     def run(pool, meta):
         return rollout.generate_and_score(
-            cfg, params, prompts=prompts, prompt_texts=["p"] * num_prompts,
+            model.Model(cfg), params, prompts=prompts, prompt_texts=["p"] * num_prompts,
             metas=[meta] * num_prompts, group_sizes=group_size, key=jax.random.key(0),
-            sampling=sampling, buckets=buckets, max_chunk_size=8, reward_pool=pool,
-            detokenize=lambda t: "x", schedule="fifo",
+            config=config, reward_pool=pool, detokenize=lambda t: "x",
         ).metrics["rollout/total_s"]  # fmt: skip
 
     with pool_lib.RewardPool(testing.length_reward, num_workers=2, timeout_s=60) as pool:
@@ -262,10 +309,7 @@ def gpu_decode_bandwidth(cfg, *, batch, new_tokens, repeats=3):
 def _config_model(variant):
     """The `model` section of configs/default.py (variant "" or "tiny")."""
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
-    spec = importlib.util.spec_from_file_location("espo_default_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(variant).model
+    return testing.load_script(path).get_config(variant).model
 
 
 def _hf_checkpoint_like(tmp, m):

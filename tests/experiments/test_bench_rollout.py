@@ -1,23 +1,20 @@
-"""The rollout benchmark's pieces run (numbers are reported by the script, not asserted here)."""
+"""The rollout benchmark's pieces run on the real espo model (numbers are reported by the script,
+not asserted here)."""
 
-import importlib.util
 import pathlib
 
 import jax
 import numpy as np
 import pytest
 
-from espo import model
+from espo import model, testing
 
 PATH = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "bench_rollout.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_rollout", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return testing.load_script(PATH)
 
 
 def test_gpu_bandwidth_path_runs_on_a_tiny_config(bench):
@@ -30,6 +27,15 @@ def test_gpu_bandwidth_path_runs_on_a_tiny_config(bench):
 def test_padding_waste_section_decode_slots_beat_fifo(bench):
     pw = bench.padding_waste(num_prompts=16, group_size=2, max_new_tokens=128)
     fifo = pw["fifo"]
+    # The real model (counting weights) generated exactly the workload's planned lengths: a
+    # prompt ending in vocab - 1 - n gets n tokens, the last one the stop id vocab - 1, unless
+    # max_new_tokens (128) cuts it.
+    _, _, prompts, _, config = bench._lognormal_workload(
+        num_prompts=16, group_size=2, max_new_tokens=128, step=1
+    )
+    planned = np.array([config.sampling.stop_ids[0] - p[1] for p in prompts])
+    assert fifo["rollout/useful_tokens"] == np.minimum(planned, 128).sum()
+    assert fifo["rollout/truncated_fraction"] == np.mean(planned > 128) > 0
     assert fifo["rollout/reprefill_positions"] == 0  # FIFO budgets max_new_tokens
     for statistic in ("mean", "max"):
         aware = pw[f"length_aware_{statistic}"]
