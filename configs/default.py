@@ -19,12 +19,14 @@ from ml_collections import config_dict
 _float = config_dict.placeholder(float)  # "None: the library's default for this setting"
 _int = config_dict.placeholder(int)
 
-# reasoning-gym chain_sum at three difficulty levels (one task spec per level, ";"-separated).
+# reasoning-gym basic_arithmetic ("Calculate 5 - 3.") at two difficulty levels (one task spec per
+# level, ";"-separated): two 1-digit terms (difficulty 0) and three 1-digit terms (difficulty 1).
+# Two-digit sums are out of reach of this model in a 10-minute CPU budget (all-wrong groups).
+_PLAIN = "min_digits=1:max_digits=1:operators=+-:allow_parentheses=false:allow_negation=false"
 ARITHMETIC = ";".join(
     [
-        "chain_sum:min_terms=2:max_terms=2:min_digits=1:max_digits=1:difficulty=0",
-        "chain_sum:min_terms=3:max_terms=3:min_digits=1:max_digits=1:difficulty=0.5",
-        "chain_sum:min_terms=2:max_terms=2:min_digits=2:max_digits=2:difficulty=1",
+        f"basic_arithmetic:min_terms=2:max_terms=2:{_PLAIN}:difficulty=0",
+        f"basic_arithmetic:min_terms=3:max_terms=3:{_PLAIN}:difficulty=1",
     ]
 )
 
@@ -89,7 +91,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.data.eval_path = ""  # separate held-out file; "" = split by eval_fraction
     c.data.eval_fraction = 0.1  # held-out share (by a stable hash of the prompt text)
     c.data.skip_bad_records = False  # True: skip and count malformed records instead of failing
-    c.data.max_prompt_length = 80  # prompts longer than this (tokens) are skipped (verl's filter)
+    c.data.max_prompt_length = 32  # prompts longer than this (tokens) are skipped (verl's filter)
 
     # ---- rollout: sampling (names as in vLLM / verl) and scheduling ------------------------------
     c.rollout = ml_collections.ConfigDict()
@@ -137,7 +139,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # ---- curriculum: espo.curriculum stages, in order (Compass-Thinker-7B) -----------------------
     c.curriculum = ml_collections.ConfigDict()
     c.curriculum.stages = (
-        stage("easy", max_difficulty=0.5, steps=60),
+        stage("easy", max_difficulty=0.0, steps=50),
         stage("all", max_difficulty=1.0, steps=10**9),
     )
 

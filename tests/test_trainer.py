@@ -1,0 +1,180 @@
+"""The trainer end to end on the tiny configs: runs, exact resume, SIGKILL, errors, HF export.
+
+Every comparison is between two real runs of `espo.trainer.train` (or `experiments/run.py`):
+an uninterrupted run is the reference for a resumed one and for one killed with SIGKILL, so
+an RNG, data position, curriculum or history that is not checkpointed shows up as a metric
+that differs. Timings and compile counts are the only metrics left out of the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from espo import config as config_lib
+from espo import metrics, testing, trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RUN = [sys.executable, str(ROOT / "experiments" / "run.py")]
+CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/espo_test_jax_cache"}
+
+
+def _config(file: str = "default", **overrides):
+    cfg = testing.load_script(ROOT / "configs" / f"{file}.py").get_config("tiny")
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        cfg[section][field] = value
+    return cfg
+
+
+def _comparable(workdir) -> list[dict]:
+    """metrics.jsonl without timings, throughput and compile counts (they vary run to run)."""
+    skip = lambda k: k.startswith("perf/") or k.endswith("_s") or "compile" in k or "per_s" in k
+    rows = metrics.read_jsonl(pathlib.Path(workdir) / "metrics.jsonl")
+    return [{k: v for k, v in row.items() if not skip(k)} for row in rows]
+
+
+def _assert_same_runs(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra.keys() == rb.keys(), ra["step"]
+        for k in ra:
+            np.testing.assert_allclose(
+                ra[k], rb[k], rtol=1e-6, atol=1e-7, err_msg=f"{k} @ {ra['step']}"
+            )
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The reference: 3 uninterrupted steps of the default tiny config."""
+    jax.config.update("jax_compilation_cache_dir", CACHE["JAX_COMPILATION_CACHE_DIR"])
+    workdir = tmp_path_factory.mktemp("straight")
+    summary = trainer.train(_config(train__steps=3), str(workdir), progress=False)
+    return workdir, summary
+
+
+def test_tiny_run_writes_what_a_user_sees(straight):
+    workdir, summary = straight
+    rows = metrics.read_jsonl(workdir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert "eval/pass@1" in rows[0] and "eval/pass@1" in rows[-1]
+    keys = ("train/reward_mean", "train/accuracy", "zve/zvp_rate", "loss/clip_frac")
+    keys += ("mismatch/k3_kl", "mismatch/router_agreement", "perf/step_s", "curriculum/stage")
+    for key in keys:
+        assert all(key in r for r in rows[1:]), key
+    assert rows[1]["curriculum/stage"] == 0 and rows[3]["curriculum/stage"] == 1  # advanced
+    assert rows[1]["mismatch/unrecorded_routes"] == 0
+    saved = json.loads((workdir / "summary.json").read_text())
+    assert saved["steps"] == 3 and saved["start"].items() <= rows[0].items()
+    assert (
+        set(saved) >= {"start", "final", "steps", "wall_s"} and summary["final"] == saved["final"]
+    )
+    assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
+    assert list((workdir / "plots").glob("*.png"))
+    assert list((workdir / "tensorboard").rglob("events.out.tfevents*"))
+
+
+def test_resume_equals_uninterrupted(straight, tmp_path):
+    """2 steps + checkpoint + 1 more step == 3 straight steps (the step-3 checkpoint removed)."""
+    workdir = tmp_path / "resumed"
+    shutil.copytree(straight[0], workdir)
+    shutil.rmtree(workdir / "checkpoints" / "3")
+    trainer.train(_config(train__steps=3), str(workdir), progress=False)
+    _assert_same_runs(_comparable(workdir), _comparable(straight[0]))
+
+
+def test_sigkill_mid_step_then_rerun_equals_uninterrupted(straight, tmp_path):
+    """kill -9 while step 3 runs; the same command again continues as if never stopped."""
+    workdir = tmp_path / "killed"
+    shutil.copytree(straight[0], workdir)
+    shutil.rmtree(workdir / "checkpoints" / "3")
+    cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(workdir),
+                 "--config.train.steps=3"]  # fmt: skip
+    env = dict(os.environ, **CACHE)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # The resumed process truncates metrics.jsonl to step 2, then works on step 3: kill it then.
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        rows = metrics.read_jsonl(workdir / "metrics.jsonl")
+        if rows and rows[-1]["step"] == 2:
+            time.sleep(2.0)
+            break
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    _assert_same_runs(_comparable(workdir), _comparable(straight[0]))
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        ("--config.loss.nmae=x", "nmae"),
+        ("--config.loss.name=ppo", "--config.loss.name='ppo' is invalid: one of"),
+        ("--config.zve.mode=refill", "--config.zve.mode='refill' is invalid"),
+        ("--config.train.micro_batch_size=0", "--config.train.micro_batch_size=0 is invalid"),
+    ],
+)
+def test_bad_override_fails_before_compiling(flag, expected, tmp_path):
+    cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(tmp_path), flag]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert expected in out.stdout + out.stderr
+    assert not (tmp_path / "checkpoints").exists()  # nothing ran
+
+
+def test_config_error_wording_names_the_key():
+    with pytest.raises(config_lib.ConfigError, match=r"--config\.optimizer\.b2=1\.5 is invalid"):
+        config_lib.Settings.from_config(_config(optimizer__b2=1.5))
+    with pytest.raises(config_lib.ConfigError, match=r"--config\.curriculum: .*stages\[1\]"):
+        cfg = _config()
+        cfg.curriculum.stages[1].group_size = 0
+        config_lib.Settings.from_config(cfg)
+
+
+def test_malformed_data_is_an_error_naming_file_and_line(tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n{bad\n')
+    cfg = _config(data__source="jsonl", data__path=str(data))
+    with pytest.raises(ValueError, match=r"math\.jsonl.*line 3"):
+        trainer.train(cfg, str(tmp_path / "run"), progress=False)
+
+
+def test_qwen3_moe_tiny_trains_and_its_export_loads_in_transformers(tmp_path):
+    import torch
+    import transformers
+
+    ckpt = testing.make_hf_checkpoint(tmp_path / "ckpt", vocab_size=320)
+    # The tiny byte-level BPE tokenizer with a Qwen chat template of the data tests (320 ids).
+    testing.load_script(ROOT / "tests" / "data" / "conftest.py")._write_hf_tokenizer(ckpt)
+    data = tmp_path / "math.jsonl"
+    rows = [
+        {"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(6) for b in range(6)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _config("qwen3_moe", model__hf_path=str(ckpt), data__path=str(data))
+    workdir = tmp_path / "run"
+    trainer.train(cfg, str(workdir), progress=False)
+    assert [r["step"] for r in metrics.read_jsonl(workdir / "metrics.jsonl")] == [0, 1, 2]
+    export = workdir / "export"
+    model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    assert (export / "tokenizer.json").exists() and (export / "generation_config.json").exists()
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert logits.shape == (1, 4, 320) and torch.isfinite(logits).all()
+    # The export holds the TRAINED policy, not the input checkpoint.
+    base = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        assert not torch.allclose(base(torch.tensor([[1, 2, 3, 4]])).logits, logits)
