@@ -33,7 +33,7 @@ def test_every_config_field_has_a_comment():
     for path in CONFIGS:
         text = path.read_text().split('if variant == "tiny":')[0]
         for n, line in enumerate(text.splitlines(), 1):
-            stripped = line.strip()
-            if stripped.startswith("c.") and " = " in stripped and "ConfigDict()" not in stripped:
-                if "update(" not in stripped and not stripped.endswith(("(", "[")):
-                    assert "#" in stripped, f"{path.name}:{n} has no comment: {stripped}"
+            s = line.strip()
+            field = s.startswith("c.") and " = " in s and "ConfigDict()" not in s
+            if field and "update(" not in s and not s.endswith(("(", "[")):
+                assert "#" in s, f"{path.name}:{n} has no comment: {s}"
