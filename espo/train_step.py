@@ -236,7 +236,8 @@ def prepare(sc: StepConfig, params: dict, ref_params: dict | None, batch):
         logps = batch.sampler_logps
     m = batch.loss_mask
     n = jnp.maximum(m.sum(), 1)
-    d = jnp.where(m, flat_logps_minus(logps, batch.sampler_logps), 0.0)  # trainer - sampler
+    clamp = losses.LOG_RATIO_CLAMP  # the losses' clamp on log ratios, also for the metrics
+    d = jnp.where(m, jnp.clip(logps - batch.sampler_logps, -clamp, clamp), 0.0)  # trainer - sampler
     k3 = jnp.where(m, jnp.expm1(d) - d, 0.0).sum() / n
     extreme = jnp.where(m, jnp.abs(d) > jnp.log(2.0), False).sum() / n
     adv = advantages.compute(
@@ -263,11 +264,6 @@ def prepare(sc: StepConfig, params: dict, ref_params: dict | None, batch):
         **adv.metrics,
     }
     return batch, metrics
-
-
-def flat_logps_minus(a, b):
-    """a - b with both clamped to the float32 range losses use (|.| <= 20 nats apart)."""
-    return jnp.clip(a - b, -losses.LOG_RATIO_CLAMP, losses.LOG_RATIO_CLAMP)
 
 
 def _micro_loss(sc: StepConfig, params, mb):
