@@ -8,7 +8,8 @@ Owns the eval metrics the trainer logs at the start, every `eval.every_steps` an
                        when k == 1: it equals avg@1, and its name is the greedy pass@1's);
   eval/reward_mean     mean reward of the sampled completions (shaped rewards included);
   eval/mean_length     mean sampled completion length in tokens (EOS included);
-  eval/greedy_mean_length, eval/num_prompts.
+  eval/greedy_mean_length, eval/num_prompts;
+  eval/pass@1/{group}, eval/pass@{k}/{group}  the same per group when prompts carry several groups.
 A completion is correct when reward_fn(prompt_text, completion_text, meta) > 0.5 (the verifiers
 return 1.0 / 0.0), so pass@k >= avg@k >= 0 always holds.
 
@@ -136,6 +137,7 @@ def evaluate(
     prompts: Sequence[Sequence[int]],
     metas: Sequence[Mapping],
     prompt_texts: Sequence[str],
+    groups: Sequence[str] | None = None,
     reward_fn: Callable[[str, str, Mapping], float],
     detokenize: Callable[[Sequence[int]], str],
     key: jax.Array,
@@ -148,6 +150,8 @@ def evaluate(
     Args:
       model: a `ModelConfig` or a `SamplingModel`, as `sampler.sample` takes.
       prompts: P token sequences (unpadded); `metas[i]` and `prompt_texts[i]` go to reward_fn.
+      groups: optional group name per prompt (a task or difficulty level); with more than one
+        distinct name, greedy pass@1 and pass@k are also reported per group.
       reward_fn: reward_fn(prompt_text, completion_text, meta) -> float, called in-process;
         the completion is `detokenize(tokens)` of the completion's tokens (EOS included, as in
         the rollout).
@@ -163,10 +167,11 @@ def evaluate(
     P = len(prompts)
     if P == 0:
         raise ValueError("evaluate: prompts is empty; the held-out set needs at least one prompt")
-    if len(metas) != P or len(prompt_texts) != P:
+    groups = list(groups) if groups is not None else [""] * P
+    if not len(metas) == len(prompt_texts) == len(groups) == P:
         raise ValueError(
-            f"evaluate: prompts, metas and prompt_texts must have one entry per prompt, got "
-            f"{P}, {len(metas)} and {len(prompt_texts)}"
+            f"evaluate: prompts, metas, prompt_texts and groups must have one entry per prompt, "
+            f"got {P}, {len(metas)}, {len(prompt_texts)} and {len(groups)}"
         )
     empty = [i for i, p in enumerate(prompts) if len(p) == 0]
     if empty:
@@ -217,4 +222,10 @@ def evaluate(
         "eval/greedy_mean_length": float(np.mean(greedy.lengths)),
         "eval/num_prompts": float(P),
     }
+    names = np.asarray(groups)
+    for name in sorted(set(groups)) if len(set(groups)) > 1 else ():
+        rows = names == name
+        metrics[f"eval/pass@1/{name}"] = float(np.mean(greedy.rewards[rows, 0] > CORRECT_ABOVE))
+        if k > 1:
+            metrics[f"eval/pass@{k}/{name}"] = float(np.mean(correct[rows].any(axis=1)))
     return metrics

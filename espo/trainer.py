@@ -141,8 +141,9 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     train_src, eval_src = sources.make_sources(s.data)
     encoded: dict[str, list[int]] = {}
     encode = lambda e: encoded.setdefault(e.id, tok.encode_prompt(e.prompt))
-    evals = [eval_src[i] for i in range(min(len(eval_src), s.eval_schedule.num_prompts))]
-    evals = [e for e in evals if len(encode(e)) <= s.max_prompt_length]
+    evals = sources.eval_subset(
+        eval_src, s.eval_schedule.num_prompts, keep=lambda e: len(encode(e)) <= s.max_prompt_length
+    )
     if not evals:
         raise ValueError(f"no held-out prompt fits data.max_prompt_length={s.max_prompt_length}")
     reward_fn = _reward_fn(s)
@@ -482,6 +483,7 @@ def _evaluate(handle, params, key, *, evals, encode, reward_fn, tok, s, stop) ->
         prompts=[encode(e) for e in evals],
         metas=[e.meta for e in evals],
         prompt_texts=[e.prompt for e in evals],
+        groups=[sources.group_of(e).split(":", 1)[-1] for e in evals],
         reward_fn=reward_fn,
         detokenize=tok.decode,
         key=key,

@@ -7,6 +7,7 @@ t+1, t+2, ... up to EOS = 7 (near-certain), so every completion, greedy or sampl
 
 from __future__ import annotations
 
+import functools
 import inspect
 from unittest import mock
 
@@ -96,6 +97,23 @@ def test_pass_at_k_and_avg_at_k_differ_by_hand():
     assert got["eval/avg@3"] == pytest.approx(1 / 9) and got["eval/pass@3"] == pytest.approx(1 / 3)
     assert got["eval/reward_mean"] == pytest.approx(1 / 9)
     assert calls == {0: 4, 1: 4, 2: 4}
+
+
+def test_per_group_pass_rates_by_hand():
+    """Groups a, b, a (prompt order not grouped): only prompt 2's greedy and sampled
+    completions are right, so pass@1/a = pass@2/a = 1/2 and both are 0 for b; the overall
+    pass@1 stays 1/3. One group reports nothing per group."""
+    prompts, answers = [[1, 3], [5], [4]], ["wrong", "wrong", "567"]
+    metas = [dict(i=i, answer=a) for i, a in enumerate(answers)]
+    cfg = evaluate.EvalConfig(samples=2, max_new_tokens=4, batch_size=4)
+    run = functools.partial(
+        _run, testing.CountingModel(), prompts, reward=Recorder(), cfg=cfg, metas=metas
+    )
+    got = run(groups=["a", "b", "a"])
+    assert got["eval/pass@1"] == pytest.approx(1 / 3)
+    assert got["eval/pass@1/a"] == got["eval/pass@2/a"] == 0.5
+    assert got["eval/pass@1/b"] == got["eval/pass@2/b"] == 0.0
+    assert not any(k.count("/") > 1 for k in run(groups=["a", "a", "a"]))
 
 
 def test_a_reward_of_one_half_is_not_correct():
@@ -213,7 +231,7 @@ def test_errors_name_the_field():
             cfg=cfg,
             sampling_kw=_sampling_kw(EOS, PAD) | dict(temperature=0.5),
         )
-    with pytest.raises(ValueError, match=r"one entry per prompt, got 2, 1 and 2"):
+    with pytest.raises(ValueError, match=r"one entry per prompt, got 2, 1, 2 and 2"):
         _run(fake, [[1], [2]], reward=Recorder(), cfg=cfg, metas=[dict(i=0)])
     with pytest.raises(ValueError, match=r"prompts is empty"):
         _run(fake, [], reward=Recorder(), cfg=cfg)

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import itertools
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from espo.data import examples as examples_lib
@@ -98,6 +99,33 @@ def make_sources(cfg: examples_lib.DataConfig) -> tuple[Source, Source]:
                 "malformed); check data.path / data.tasks / data.eval_fraction / data.eval_path"
             )
     return train_source, eval_source
+
+
+def group_of(example: examples_lib.Example) -> str:
+    """The dataset part an example came from: its id without the record index
+    ("reasoning_gym:1-basic_arithmetic", "jsonl:math")."""
+    return example.id.rsplit(":", 1)[0]
+
+
+def eval_subset(
+    source: Source, n: int, *, keep: Callable[[examples_lib.Example], bool] = lambda e: True
+) -> list[examples_lib.Example]:
+    """Up to `n` held-out examples with distinct prompt texts, taken round-robin over the
+    source's groups (`group_of`: one per reasoning_gym task spec, one per file), each group in
+    source order, keeping only examples with `keep(example)`. Deterministic. A small procedural
+    space repeats prompts many times, and the held-out set lists group after group, so taking
+    the first `n` records would evaluate a few prompts of the first group over and over."""
+    groups: dict[str, list[examples_lib.Example]] = {}
+    seen: set[str] = set()
+    for i in range(len(source)):
+        e = source[i]
+        if e.prompt not in seen and keep(e):
+            seen.add(e.prompt)
+            groups.setdefault(group_of(e), []).append(e)
+    out: list[examples_lib.Example] = []
+    for row in itertools.zip_longest(*groups.values()):
+        out += [e for e in row if e is not None][: n - len(out)]
+    return out
 
 
 def _describe(cfg: examples_lib.DataConfig) -> str:

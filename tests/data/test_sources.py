@@ -164,6 +164,28 @@ def test_held_out_split_is_disjoint_by_prompt_and_stable(tmp_path, write_lines):
     assert [e.id for e in again_train] == [e.id for e in train]
 
 
+def test_eval_subset_is_distinct_and_round_robin_over_groups():
+    def ex(group, i, prompt):
+        return examples.Example(
+            id=f"{group}:{i}",
+            prompt=prompt,
+            answer="1",
+            difficulty=math.nan,
+            meta={"answer": "1", "task": "add"},
+        )
+
+    # Group a repeats its prompts (a small procedural space); b and c follow it in source order.
+    held = [ex("rg:0-add", i, f"a{i % 2}") for i in range(6)]
+    held += [ex("rg:1-add", i, f"b{i}") for i in range(4)] + [ex("jsonl:c", 0, "c0")]
+    source = sources.Source(name="held", examples=held)
+    got = [e.prompt for e in sources.eval_subset(source, 6)]
+    assert got == ["a0", "b0", "c0", "a1", "b1", "b2"]
+    assert [e.prompt for e in sources.eval_subset(source, 100)] == got + ["b3"]
+    short = sources.eval_subset(source, 3, keep=lambda e: e.prompt != "b0")
+    assert [e.prompt for e in short] == ["a0", "b1", "c0"]
+    assert sources.group_of(held[7]) == "rg:1-add"
+
+
 def test_held_out_split_is_pinned():
     # A fixed function of the text (BLAKE2b), not Python's per-process salted hash() or the seed:
     # every process of every run agrees. Changing the hash reshuffles train/held-out for users.
