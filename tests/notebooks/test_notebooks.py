@@ -3,6 +3,7 @@
 The kernel is this interpreter (the venv with espo installed), not whatever a machine happens to
 register as "python3": the kernelspec is installed into a temporary prefix and JUPYTER_PATH puts
 it first. Notebooks build their Hugging Face checkpoint with transformers (the test extras).
+The kernel shares the trainer tests' persistent compilation cache, so a rerun skips compiling.
 """
 
 import pathlib
@@ -19,7 +20,11 @@ pytest.importorskip("transformers")
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 KERNEL_NAME = "python3"
-CELL_TIMEOUT_S = 120  # a whole notebook takes ~40 s on 2 CPU cores; one cell a few seconds
+# quickstart takes ~40 s on 2 CPU cores, one cell a few seconds. The trainer cell of training
+# compiles the whole pipeline: ~100-140 s on 2 loaded cores with a cold compilation cache, ~40 s
+# warm.
+CELL_TIMEOUT_S = 300
+COMPILATION_CACHE_DIR = "/tmp/espo_test_jax_cache"  # as tests/test_trainer.py
 
 
 def test_notebooks_exist():
@@ -31,6 +36,7 @@ def venv_kernel(tmp_path, monkeypatch):
     """The "python3" kernel, bound to sys.executable whatever else is installed."""
     kernelspec.install(kernel_name=KERNEL_NAME, prefix=str(tmp_path))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE_DIR)  # the kernel reads it
     spec = jupyter_kernelspec.KernelSpecManager().get_kernel_spec(KERNEL_NAME)
     assert spec.argv[0] == sys.executable, (spec.argv, sys.executable)
     return KERNEL_NAME
