@@ -5,14 +5,15 @@ whole mini-batches) and T = max_prompt_length + the generation bucket of the lar
 jitted steps compile once: rows the ZVE stage did not fill are padding (`group_ids` -1,
 `valid` False, no loss token). Prompts are left-padded to `max_prompt_length` and completions
 right-padded; the router trace is padded with -1 the same way, so position t of every array is
-token t (the `espo.train_step` alignment).
+token t (the `espo.train_step` alignment). Rows arrive as a `zero_variance.Groups` table (the
+batch of `zero_variance.fill_batch`) whose payload is `rollout_rows` of each rollout, already in
+these fixed widths, so rows of different generate calls and steps concatenate.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Sequence
 
 import flax.struct
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import types
+from espo import types, zero_variance
 
 
 @flax.struct.dataclass
@@ -56,56 +57,92 @@ def _pad_time(x: np.ndarray, *, axis: int, left: int, right: int, value) -> np.n
     return np.pad(x, widths, constant_values=value)
 
 
-def make_train_batch(
-    parts: Sequence[tuple[types.Rollout, np.ndarray, np.ndarray]],
-    *,
-    group_ids: Sequence[np.ndarray],
-    num_rows: int,
-    prompt_length: int,
-    generation_length: int,
-    pad_id: int,
-) -> TrainBatch:
-    """Host `TrainBatch` from rows of several rollouts.
+# The per-row payload (`zero_variance.Groups.rows`) `rollout_rows` builds, `make_train_batch` reads.
+ROW_FIELDS = (
+    "tokens", "attention_mask", "completion_mask", "expert_ids", "expert_weights",
+    "sampler_logps", "sampler_entropies", "finished",
+)  # fmt: skip
 
-    Args:
-      parts: (rollout, rows, shaped_rewards[rows]) triples: the rows of each rollout to take.
-      group_ids: per part, the batch group id (0..P-1) of each taken row.
-      num_rows: N, the fixed row count (>= rows taken); the rest is padding.
-      prompt_length / generation_length: the fixed Tp and Tg.
+
+def rollout_rows(
+    r: types.Rollout, *, prompt_length: int, generation_length: int, pad_id: int
+) -> dict[str, np.ndarray]:
+    """The fixed-width host arrays [R, ...] of every row of `r` (`ROW_FIELDS`), T = Tp + Tg.
+
+    Every rollout of a run gets the same widths (the fixed Tp and Tg), so rows of different
+    generate calls and steps concatenate: this is the payload of `zero_variance.Groups`.
     """
     Tp, Tg = prompt_length, generation_length
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in _HOST_FIELDS}
-    for (r, rows, shaped), gids in zip(parts, group_ids, strict=True):
-        for k, v in _rows(
-            r, np.asarray(rows, np.int64), shaped, Tp=Tp, Tg=Tg, pad_id=pad_id
-        ).items():
-            cols[k].append(v)
-        cols["group_ids"].append(np.asarray(gids, np.int32))
-    out = {k: np.concatenate(v) if v else None for k, v in cols.items()}
-    n = 0 if out["tokens"] is None else out["tokens"].shape[0]
+    tp, tg = r.prompt_tokens.shape[1], r.tokens.shape[1]
+    if tp > Tp or tg > Tg:
+        raise ValueError(f"rollout shape Tp={tp}, Tg={tg} exceeds the batch's Tp={Tp}, Tg={Tg}")
+    left, right = Tp - tp, Tg - tg
+
+    def pad(x, *, before=0, after=0, value=0, axis=1):
+        return _pad_time(np.asarray(x), axis=axis, left=before, right=after, value=value)
+
+    trace = dict(before=left, after=right, axis=2)
+    tokens = [
+        pad(r.prompt_tokens, before=left, value=pad_id),
+        pad(r.tokens, after=right, value=pad_id),
+    ]
+    prompt_mask = pad(r.prompt_mask, before=left, value=False)  # [R, Tp]
+    completion_mask = pad(r.mask, after=right, value=False)  # [R, Tg]
+    return dict(
+        tokens=np.concatenate(tokens, 1).astype(np.int32),  # [R, T]
+        attention_mask=np.concatenate([prompt_mask, completion_mask], 1),  # [R, T]
+        completion_mask=np.concatenate([np.zeros_like(prompt_mask), completion_mask], 1),
+        expert_ids=pad(r.router.expert_ids, value=-1, **trace).astype(np.int32),  # [R, L, T, K]
+        expert_weights=pad(r.router.expert_weights, value=0.0, **trace),  # [R, L, T, K]
+        sampler_logps=pad(r.logps, before=Tp, after=right).astype(np.float32),  # [R, T]
+        sampler_entropies=pad(r.entropies, before=Tp, after=right).astype(np.float32),
+        finished=np.asarray(r.finished, bool),  # [R]
+    )
+
+
+def make_train_batch(groups: zero_variance.Groups, *, num_rows: int, pad_id: int) -> TrainBatch:
+    """Host `TrainBatch` [N = num_rows, ...] of a batch table (`zero_variance.fill_batch`).
+
+    `groups.rows` holds `ROW_FIELDS` (`rollout_rows`); `groups.group_ids` (0..P-1) become the
+    batch's. Rewards are the verifier's (`raw_rewards`), shaping = final - verifier, both 0 on
+    rows whose reward failed, which get no loss token. Rows past `groups.num_rows` are padding.
+    """
+    n = groups.num_rows
+    if n == 0:
+        raise ValueError("make_train_batch needs at least one group")
     if n > num_rows:
         raise ValueError(f"{n} rows do not fit the batch of {num_rows} rows")
-    if out["tokens"] is None:
-        raise ValueError("make_train_batch needs at least one part")
+    missing = set(ROW_FIELDS) - set(groups.rows)
+    if missing:
+        raise ValueError(f"make_train_batch: groups.rows lacks {sorted(missing)} (rollout_rows)")
+    ok = groups.valid  # [n]
+    verifier = groups.verifier_rewards  # [n]
+    out = {k: groups.rows[k] for k in ROW_FIELDS}
+    out.update(
+        group_ids=groups.group_ids.astype(np.int32),
+        rewards=np.where(ok, verifier, 0.0).astype(np.float32),
+        shaping=np.where(ok, groups.rewards - verifier, 0.0).astype(np.float32),
+        valid=ok,
+    )
     pad_values = dict(tokens=pad_id, expert_ids=-1, group_ids=-1)
     for k, v in out.items():
         out[k] = np.concatenate(
             [v, np.full((num_rows - n,) + v.shape[1:], pad_values.get(k, 0), v.dtype)]
         )
-    zeros = np.zeros((num_rows, Tp + Tg), np.float32)
+    zeros = np.zeros(out["tokens"].shape, np.float32)  # [N, T]
     return TrainBatch(
-        tokens=out["tokens"].astype(np.int32),
+        tokens=out["tokens"],
         attention_mask=out["attention_mask"],
-        loss_mask=out["loss_mask"],
+        loss_mask=out["completion_mask"] & out["valid"][:, None],
         router=types.RouterTrace(
             expert_ids=out["expert_ids"], expert_weights=out["expert_weights"]
         ),
-        sampler_logps=out["sampler_logps"].astype(np.float32),
-        sampler_entropies=out["sampler_entropies"].astype(np.float32),
+        sampler_logps=out["sampler_logps"],
+        sampler_entropies=out["sampler_entropies"],
         finished=out["finished"],
         group_ids=out["group_ids"],
         rewards=out["rewards"],
-        shaping=out["shaping"].astype(np.float32),
+        shaping=out["shaping"],
         valid=out["valid"],
         old_logps=zeros,
         old_entropies=zeros,
@@ -113,48 +150,6 @@ def make_train_batch(
         advantages=np.zeros(num_rows, np.float32),
         zvp_sign=np.zeros(num_rows, np.int32),
     )
-
-
-def _rows(r: types.Rollout, rows, shaped, *, Tp: int, Tg: int, pad_id: int) -> dict:
-    """The fixed-width host arrays of `rows` of one rollout (see the module docstring)."""
-    tp, tg = r.prompt_tokens.shape[1], r.tokens.shape[1]
-    if tp > Tp or tg > Tg:
-        raise ValueError(f"rollout shape Tp={tp}, Tg={tg} exceeds the batch's Tp={Tp}, Tg={Tg}")
-    left, right = Tp - tp, Tg - tg
-
-    def take(x, *, before=0, after=0, value=0, axis=1):
-        return _pad_time(np.asarray(x)[rows], axis=axis, left=before, right=after, value=value)
-
-    prompt_mask = take(r.prompt_mask, before=left, value=False)
-    completion_mask = take(r.mask, after=right, value=False)
-    ok = np.asarray(r.reward_ok, bool)[rows]
-    verifier = np.asarray(r.rewards, np.float32)[rows]
-    trace = dict(before=left, after=right, axis=2)
-    return dict(
-        tokens=np.concatenate(
-            [
-                take(r.prompt_tokens, before=left, value=pad_id),
-                take(r.tokens, after=right, value=pad_id),
-            ],
-            1,
-        ),
-        attention_mask=np.concatenate([prompt_mask, completion_mask], 1),
-        loss_mask=np.concatenate([np.zeros_like(prompt_mask), completion_mask & ok[:, None]], 1),
-        expert_ids=take(r.router.expert_ids, value=-1, **trace),
-        expert_weights=take(r.router.expert_weights, value=0.0, **trace),
-        sampler_logps=take(r.logps, before=Tp, after=right),
-        sampler_entropies=take(r.entropies, before=Tp, after=right),
-        finished=np.asarray(r.finished, bool)[rows],
-        rewards=np.where(ok, verifier, 0.0).astype(np.float32),
-        shaping=np.where(ok, np.asarray(shaped, np.float32) - verifier, 0.0).astype(np.float32),
-        valid=ok,
-    )
-
-
-_HOST_FIELDS = (
-    "tokens", "attention_mask", "loss_mask", "expert_ids", "expert_weights", "sampler_logps",
-    "sampler_entropies", "finished", "group_ids", "rewards", "shaping", "valid",
-)  # fmt: skip
 
 
 def split(tree, num_splits: int):

@@ -5,7 +5,10 @@ Owns `WORKDIR/checkpoints` (an orbax `CheckpointManager`, one directory per save
   written with `StandardSave` and restored into the shapes, dtypes and shardings of an abstract
   pytree (`jax.eval_shape` output or `jax.ShapeDtypeStruct`s).
 - `host`: a JSON-serialisable dict (data iterator state, curriculum, pass-rate history, length
-  predictor, model config...), written with `JsonSave`. JSON turns tuples into lists.
+  predictor, model config...), written with `JsonSave`. JSON turns tuples into lists. Host
+  numpy arrays (the resample buffer's rows) go in through `arrays_to_json`, which stores each
+  one exactly (dtype, shape, raw bytes in base64; zero-size arrays too, which orbax's array
+  handlers refuse), and come back with `arrays_from_json`. A bare ndarray is an error.
 
 Invariants:
 - Both items of a step are written into `<step>.orbax-checkpoint-tmp*/`, which orbax renames
@@ -24,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
 import json
 import operator
 import os
@@ -32,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints
@@ -67,6 +72,37 @@ def _json_path_error(value: Any, path: str) -> str | None:
     if value is None or isinstance(value, str | int | float | bool):
         return None
     return f"{path} is a {type(value).__name__} ({value!r:.80}), which JSON cannot hold"
+
+
+_ARRAY_KEY = "__ndarray__"
+
+
+def arrays_to_json(tree: Any) -> Any:
+    """`tree` (dicts, lists, tuples, JSON scalars, numpy arrays) with every numpy array replaced
+    by {"__ndarray__": {"dtype", "shape", "base64"}}: exact, bit for bit (NaN included)."""
+    if isinstance(tree, np.ndarray):
+        if tree.dtype.hasobject:
+            raise TypeError(f"arrays_to_json: an object array ({tree.dtype}) has no raw bytes")
+        data = base64.b64encode(np.ascontiguousarray(tree).tobytes()).decode("ascii")
+        return {_ARRAY_KEY: dict(dtype=tree.dtype.str, shape=list(tree.shape), base64=data)}
+    if isinstance(tree, Mapping):
+        return {k: arrays_to_json(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [arrays_to_json(v) for v in tree]
+    return tree
+
+
+def arrays_from_json(tree: Any) -> Any:
+    """The inverse of `arrays_to_json` (tuples come back as lists, as JSON gives them)."""
+    if isinstance(tree, Mapping):
+        if tree.keys() == {_ARRAY_KEY}:
+            a = tree[_ARRAY_KEY]
+            flat = np.frombuffer(base64.b64decode(a["base64"]), np.dtype(a["dtype"]))
+            return flat.reshape(a["shape"]).copy()  # writeable, owns its memory
+        return {k: arrays_from_json(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [arrays_from_json(v) for v in tree]
+    return tree
 
 
 def _key_name(key: Any) -> str:

@@ -7,7 +7,8 @@ old log-probs with router replay and advantages -> ppo_epochs of mini-batch upda
 eval -> checkpoint) -> export and summary.
 
 Exactness: everything a step depends on is either in the checkpoint (params, optimizer state,
-the data iterator, the curriculum, the pass-rate history, the length predictor) or a pure
+the data iterator, the curriculum, the pass-rate history, the length predictor, the resample
+buffer of carried-over groups with their rollout arrays) or a pure
 function of (seed, step): the step's keys are `fold_in(key(seed), step)`. So a rerun of the same
 command after a kill -9 restores the newest checkpoint, truncates metrics.jsonl back to it, and
 continues exactly as an uninterrupted run (test_trainer checks it).
@@ -54,7 +55,7 @@ from espo.data import tokenizer as tokenizer_lib
 from espo.rewards import pool as pool_lib
 from espo.rewards import shaping
 
-HOST_FORMAT = "espo.trainer.v1"
+HOST_FORMAT = "espo.trainer.v2"  # v2: + the resample buffer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -83,12 +84,14 @@ def _buckets(max_prompt_length: int, max_new_tokens: int) -> scheduling.LengthBu
 
 @dataclasses.dataclass
 class _Host:
-    """The host-side state of a run (all JSON; checkpointed beside the arrays)."""
+    """The host-side state of a run (JSON, the buffer's arrays encoded exactly; checkpointed
+    beside the device arrays)."""
 
     stream: stream_lib.PromptStream
     curriculum: curriculum.CurriculumState
     history: zero_variance.PassRateHistory
     predictor: scheduling.LengthPredictor
+    buffer: zero_variance.Groups  # resample leftovers (zve.max_carry_over_steps > 0), with rows
     start_eval: dict
 
     def state_dict(self, model_cfg) -> dict:
@@ -99,14 +102,21 @@ class _Host:
             curriculum=self.curriculum.state_dict(),
             history=self.history.state_dict(),
             predictor=self.predictor.state_dict(),
+            buffer=checkpoint.arrays_to_json(self.buffer.state_dict()),
             start_eval=self.start_eval,
         )
 
     def load(self, d: dict) -> None:
+        if d.get("format") != HOST_FORMAT:
+            raise checkpoint.CheckpointMismatchError(
+                f"the checkpoint's host state is {d.get('format')!r}, this trainer reads "
+                f"{HOST_FORMAT!r}; start a fresh run in another workdir (--workdir)"
+            )
         self.stream.load_state_dict(d["stream"])
         self.curriculum = curriculum.CurriculumState.from_state_dict(d["curriculum"])
         self.history = zero_variance.PassRateHistory.from_state_dict(d["history"])
         self.predictor = scheduling.LengthPredictor.from_state_dict(d["predictor"])
+        self.buffer = zero_variance.Groups.from_state_dict(checkpoint.arrays_from_json(d["buffer"]))
         self.start_eval = d["start_eval"]
 
 
@@ -119,11 +129,6 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     t_start = time.perf_counter()
     # ---- settings: every section validated before anything compiles --------------------------
     s = config_lib.Settings.from_config(config)
-    if s.zve.max_carry_over_steps:
-        raise config_lib.ConfigError(
-            "--config.zve.max_carry_over_steps must be 0 in the trainer: carried-over groups "
-            "keep arrays of earlier steps that the checkpoint does not hold"
-        )
     workdir = pathlib.Path(workdir or s.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
@@ -184,7 +189,8 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     # ---- resume, or warm start ------------------------------------------------------------------
     # Resume order: 1. the newest checkpoint step; 2. its model config must match; 3. arrays
     # (params, optimizer state, step); 4. host state (data iterator, curriculum, pass-rate
-    # history, length predictor, start eval); 5. metrics.jsonl truncated back to that step.
+    # history, length predictor, resample buffer, start eval); 5. metrics.jsonl truncated back
+    # to that step.
     ckpt = checkpoint.Checkpointer(
         workdir / "checkpoints", every_steps=s.checkpoint.every_steps, keep=s.checkpoint.keep
     )
@@ -193,6 +199,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
         curriculum=curriculum.CurriculumState(),
         history=zero_variance.PassRateHistory(success_threshold=s.advantage.success_threshold),
         predictor=scheduling.LengthPredictor(),
+        buffer=zero_variance.Groups.empty(),
         start_eval={},
     )
     make_state = lambda p: train_step.TrainState(
@@ -246,7 +253,8 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
             with timer.phase("rollout"):
                 params_r = fp8(state.params) if s.rollout.fp8 else state.params
                 gen = _Generator(s=s, stage=stage, handle=handle, params=params_r, pool=pool,
-                                 host=host, encode=encode, stop=stop, key=key)  # fmt: skip
+                                 host=host, encode=encode, stop=stop, key=key, Tp=Tp,
+                                 Tg=Tg)  # fmt: skip
                 zcfg = dataclasses.replace(
                     s.zve,
                     group_size=stage.group_size,
@@ -258,16 +266,18 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
                     batch_size=s.train.prompts_per_step,
                     group_size=functools.partial(_group_sizes, zcfg, host.history),
                     config=zcfg,
+                    buffer=host.buffer,
                     history=host.history,
-                    id_fn=lambda e: e.id,
                 )
-            if not fill.groups:
+                host.buffer = fill.buffer
+            if not fill.batch.num_groups:
                 raise RuntimeError(
-                    f"step {step}: no prompt left for stage {stage.name!r} after filtering "
-                    f"(data exhausted or every prompt pre-filtered); metrics {fill.metrics}"
+                    f"step {step}: no group for the batch of stage {stage.name!r}: data "
+                    "exhausted, every prompt pre-filtered, or (zve.mode='resample') no "
+                    f"informative group in 1 + max_resample_rounds calls; metrics {fill.metrics}"
                 )
             with timer.phase("old_logps"):
-                batch = gen.train_batch(fill.groups, num_rows=num_rows, Tp=Tp, Tg=Tg)
+                batch = batching.make_train_batch(fill.batch, num_rows=num_rows, pad_id=tok.pad_id)
                 batch = sharding.put_batch(batch, mesh)
                 batch, prep = prepare(state.params, state.ref_params, batch)
                 prep = jax.device_get(prep)
@@ -318,14 +328,16 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
 class _Generator:
     """The `generate` callback of `zero_variance.fill_batch` for one step: rollouts -> Groups.
 
-    Each call samples and scores with `rollout.generate_and_score`, shapes the rewards, and keeps
-    the arrays; a Group's payload is (call index, rows). `train_batch` then gathers the rows of
-    the groups the ZVE stage kept into the fixed-shape `TrainBatch`.
+    Each call samples and scores with `rollout.generate_and_score`, shapes the rewards, and
+    returns the call's `zero_variance.Groups` straight from the Rollout arrays: group ids,
+    shaped and verifier rewards, reward_ok, and the rows in the batch's fixed widths
+    (`batching.rollout_rows`, Tp + Tg), so `batching.make_train_batch` takes the batch table
+    as it is and a carried-over group keeps the arrays of the policy that sampled it.
     """
 
-    def __init__(self, *, s, stage, handle, params, pool, host, encode, stop, key):
+    def __init__(self, *, s, stage, handle, params, pool, host, encode, stop, key, Tp, Tg):
         self.s, self.stage, self.handle, self.params, self.pool = s, stage, handle, params, pool
-        self.host, self.encode, self.key = host, encode, key
+        self.host, self.encode, self.key, self.Tp, self.Tg = host, encode, key, Tp, Tg
         self.parts: list[tuple[rollout.RolloutResult, np.ndarray]] = []
         self.config = rollout.RolloutConfig(
             sampling=sampler.SamplingParams(
@@ -349,10 +361,7 @@ class _Generator:
             repetition_threshold=r.repetition_threshold,
         )
 
-    def __call__(
-        self, exs: list[examples_lib.Example], sizes: np.ndarray
-    ) -> list[zero_variance.Group]:
-        index = len(self.parts)
+    def __call__(self, exs: list[examples_lib.Example], sizes: np.ndarray) -> zero_variance.Groups:
         res = rollout.generate_and_score(
             self.handle,
             self.params,
@@ -360,7 +369,7 @@ class _Generator:
             prompt_texts=[e.prompt for e in exs],
             metas=[e.meta for e in exs],
             group_sizes=[int(g) for g in sizes],
-            key=jax.random.fold_in(self.key, index),
+            key=jax.random.fold_in(self.key, len(self.parts)),
             config=self.config,
             reward_pool=self.pool,
             predictor=self.host.predictor,
@@ -374,31 +383,19 @@ class _Generator:
             token_ids_or_texts=np.asarray(r.tokens) if rep else None, cfg=self.shaping,
         )  # fmt: skip
         self.parts.append((res, shaped))
-        groups = []
-        for p, e in enumerate(exs):
-            rows = np.flatnonzero(np.asarray(r.group_ids) == p)
-            groups.append(
-                zero_variance.Group(
-                    prompt_id=e.id,
-                    rewards=shaped[rows],
-                    raw_rewards=verifier[rows],
-                    valid=np.asarray(r.reward_ok)[rows],
-                    payload=(index, rows),
-                )
-            )
-        return groups
-
-    def train_batch(self, groups, *, num_rows: int, Tp: int, Tg: int) -> batching.TrainBatch:
-        parts, gids = [], []
-        for gi, g in enumerate(groups):
-            index, rows = g.payload
-            res, shaped = self.parts[index]
-            parts.append((res.rollout, rows, shaped[rows]))
-            gids.append(np.full(len(rows), gi, np.int32))
-        return batching.make_train_batch(
-            parts, group_ids=gids, num_rows=num_rows, prompt_length=Tp, generation_length=Tg,
-            pad_id=self.config.sampling.pad_id,
-        )  # fmt: skip
+        return zero_variance.Groups(
+            prompt_ids=tuple(e.id for e in exs),
+            group_ids=np.asarray(r.group_ids),
+            rewards=shaped,
+            raw_rewards=verifier,
+            valid=np.asarray(r.reward_ok),
+            rows=batching.rollout_rows(
+                r,
+                prompt_length=self.Tp,
+                generation_length=self.Tg,
+                pad_id=self.config.sampling.pad_id,
+            ),  # fmt: skip
+        )
 
     def metrics(self) -> dict[str, float]:
         """train/* over every generated row; rollout/* timings summed over calls, rest averaged."""

@@ -9,37 +9,54 @@ zero advantage, so its rollouts are wasted (papers.md §1.1). Owned here, stage 
      ZVP probability <= target, capped, optional budget), `zvp_rate_by_group_size` (the paper's
      Fig. 3 curve), `PassRateHistory` (online per-prompt Beta counts with decay).
   3. Reward: shaping lives in `espo.rewards.shaping`; here it is only measured, by comparing
-     `Group.raw_rewards` (before shaping) with `Group.rewards`.
+     `Groups.raw_rewards` (before shaping) with `Groups.rewards`.
   4. Optimisation: `ZveConfig`, `fill_batch`: "resample" refills the batch DAPO-style (§5) with
-     informative groups, leftovers kept in a `ResampleBuffer`; "rl_zvp" keeps ZVP groups for
+     informative groups, leftovers kept in a buffer; "rl_zvp" keeps ZVP groups for
      `espo.advantages.rl_zvp`; "drop" discards them.
 
+Data: `Groups`, a table of row-aligned host arrays with `group_ids` (the convention of
+`espo.types.Rollout` and `espo.batching.TrainBatch`): per-row rewards, validity and any named
+payload (tokens, masks, sampler log-probs, router trace...), per-group prompt ids, ages and
+verifiability. `generate` returns one table per call, `fill_batch` returns the batch and the
+resample buffer as tables, and the buffer checkpoints through `Groups.state_dict()`.
+
 The rules (shared with `espo.advantages.compute`, issue 7):
-  * Validity: a sample whose reward call failed (`Group.valid` False, from Rollout.reward_ok)
+  * Validity: a sample whose reward call failed (`Groups.valid` False, from Rollout.reward_ok)
     contributes nothing: it is left out of zero-variance detection and of `PassRateHistory`,
     and is counted ("zve/invalid_samples"). A group with fewer than 2 valid samples has no
     signal: it is never informative ("zve/no_signal_groups").
-  * Zero-variance is judged on the VERIFIER rewards (`Group.verifier_rewards`: `raw_rewards`
+  * Zero-variance is judged on the VERIFIER rewards (`Groups.verifier_rewards`: `raw_rewards`
     before shaping when given, else `rewards`) of the valid samples: max - min <= atol, the test
-    of `espo.advantages.compute`, evaluated in numpy since groups live on the host with ragged
-    G. Shaping breaks ties only in the final reward, which the advantage adds centred and
-    unscaled, so a group tied on the verifier stays zero-variance for the optimiser: "resample"
-    and "drop" never keep it, and "rl_zvp" gives it RL-ZVP (if verifiable).
-    `zve/post_shaping_zvp_rate` still measures the ties left in the shaped rewards.
+    of `espo.advantages.compute`, evaluated per group in numpy (`zero_variance_groups`, the one
+    implementation; `is_zero_variance` and `is_informative` call it). Shaping breaks ties only
+    in the final reward, which the advantage adds centred and unscaled, so a group tied on the
+    verifier stays zero-variance for the optimiser: "resample" and "drop" never keep it, and
+    "rl_zvp" gives it RL-ZVP (if verifiable). `zve/post_shaping_zvp_rate` still measures the
+    ties left in the shaped rewards.
   * A sample "passes" when its verifier reward is > `success_threshold` (default 0, RL-ZVP's
-    "correct"). Unverifiable groups (`Group.verifiable` False, e.g. a judge's rewards, which
+    "correct"). Unverifiable groups (`Groups.verifiable` False, e.g. a judge's rewards, which
     are relative) have no pass rate and do not update `PassRateHistory`.
-  * Resample carry-over is off by default (`max_carry_over_steps=0`, as in DAPO). When on, a
-    group carried into a later batch has `Group.age` = the optimiser steps since it was sampled
-    (0: sampled for this batch); its payload keeps the old log-probs and router trace of the
-    policy that sampled it, so the trainer's importance ratios are against that behaviour
-    policy (an off-policy sample by `age` steps), not the current pi_old.
+  * Resample carry-over is off by default (`max_carry_over_steps=0`, as in DAPO). When on, an
+    informative group generated beyond a full batch waits in the buffer for at most
+    `max_carry_over_steps` later batches. `Groups.ages` counts the optimiser steps between its
+    sampling and the batch that uses it (0: sampled for this batch; in the buffer: the age it
+    will have in the next batch). Its payload rows are the ones the sampler produced, so a
+    carried group is an OFF-POLICY sample, `age` updates old: its tokens, sampler log-probs and
+    router trace are those of the policy `age` steps back. What the trainer does with that
+    (`espo.train_step.prepare`): with `train.old_logps="recompute"` (default) pi_old is
+    recomputed with the CURRENT parameters (replaying the old router trace), so the importance
+    ratio and its clip are against the current policy and the `age`-step drift between the
+    behaviour policy and pi_old is not corrected; with `train.old_logps="sampler"` pi_old is
+    the stored sampler log-probs, i.e. the behaviour policy itself, so the ratio corrects (and
+    the clip bounds) that drift. Either way the `mismatch/*` metrics of a carried row include
+    `age` steps of policy change, not only the sampler/trainer numerics.
 Metric keys start with "zve/"; a ratio is omitted when its denominator is 0 (counts never are).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -48,7 +65,7 @@ import os
 import pathlib
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -64,23 +81,51 @@ def prompt_id(prompt: Prompt) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+def zero_variance_groups(
+    rewards: np.ndarray,
+    *,
+    group_ids: np.ndarray,
+    num_groups: int,
+    valid: np.ndarray | None = None,
+    atol: float = 1e-6,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(zero_variance bool [P], num_valid int64 [P]) of ragged groups given as flat rows [N].
+
+    A group is zero-variance when its valid rewards all lie within `atol` of each other
+    (max - min, in float32 as `espo.advantages.compute`), or when it has fewer than 2 valid
+    rewards (no spread at all; `num_valid` tells the two apart). Invalid entries may hold
+    anything (NaN): they are never read. A NaN among the valid rewards is a spread (not zero).
+    """
+    rewards = np.asarray(rewards, np.float32)  # [N]
+    ids = np.asarray(group_ids, np.int64)  # [N]
+    ok = np.ones(rewards.shape, bool) if valid is None else np.asarray(valid, bool)  # [N]
+    num_valid = np.bincount(ids[ok], minlength=num_groups)  # [P]
+    hi = np.full(num_groups, -np.inf, np.float32)  # [P]
+    lo = np.full(num_groups, np.inf, np.float32)  # [P]
+    np.maximum.at(hi, ids[ok], rewards[ok])  # np.maximum propagates NaN, as np.ptp does
+    np.minimum.at(lo, ids[ok], rewards[ok])
+    with np.errstate(invalid="ignore"):  # inf - inf on groups without a valid row
+        spread = hi - lo  # [P]
+    return (num_valid < 2) | (spread <= atol), num_valid
+
+
 def is_zero_variance(
     rewards: np.ndarray, *, atol: float = 1e-6, valid: np.ndarray | None = None
 ) -> bool:
-    """True when the valid rewards all lie within `atol` of each other (max - min).
-
-    No spread at all (fewer than 2 valid samples) also counts as True here; `is_informative`
-    tells the two apart. Invalid entries may hold anything (NaN): they are never read.
-    """
-    rewards = np.asarray(rewards, np.float32)  # [G]
-    if valid is not None:
-        rewards = rewards[np.asarray(valid, bool)]  # host numpy: ragged is fine
-    return bool(rewards.size < 2 or np.ptp(rewards) <= atol)
+    """`zero_variance_groups` of one group's rewards [G]: True also for < 2 valid samples."""
+    ids = np.zeros(np.shape(rewards), np.int64)  # [G] one group
+    return bool(
+        zero_variance_groups(rewards, group_ids=ids, num_groups=1, valid=valid, atol=atol)[0][0]
+    )
 
 
-def is_informative(group: Group, *, atol: float = 1e-6) -> bool:
-    """>= 2 valid samples whose verifier rewards differ by more than atol (GRPO has signal)."""
-    return not is_zero_variance(group.verifier_rewards, atol=atol, valid=group.valid_mask)
+def is_informative(groups: Groups, *, atol: float = 1e-6) -> np.ndarray:
+    """bool [P]: >= 2 valid samples whose verifier rewards differ by more than atol (signal)."""
+    zero, _ = zero_variance_groups(
+        groups.verifier_rewards, group_ids=groups.group_ids, num_groups=groups.num_groups,
+        valid=groups.valid, atol=atol,
+    )  # fmt: skip
+    return ~zero
 
 
 # ---------------------------------------------------------------- stage 1: offline pre-filter
@@ -306,21 +351,25 @@ class PassRateHistory:
         counts = {k: [r * n, (1.0 - r) * n] for k, r in table.pass_rates.items()}
         return cls(success_threshold=table.success_threshold, counts=counts, **kwargs)
 
-    def update(self, groups: Sequence[Group]) -> None:
+    def update(self, groups: Groups) -> None:
         """Adds each group's passes and failures: verifier rewards of its valid samples only.
 
-        Unverifiable groups (a judge's relative rewards) and groups with no valid sample are
-        skipped: they say nothing about the prompt's pass rate.
+        Groups are visited in order (a prompt twice in `groups` decays twice). Unverifiable
+        groups (a judge's relative rewards) and groups with no valid sample are skipped: they
+        say nothing about the prompt's pass rate.
         """
-        for group in groups:
-            valid = group.valid_mask
-            if not group.verifiable or not valid.any():
+        P, ids, valid = groups.num_groups, groups.group_ids, groups.valid
+        passed = (groups.verifier_rewards > self.success_threshold) & valid  # [N]
+        passes = np.bincount(ids, weights=passed, minlength=P)  # [P]
+        num_valid = np.bincount(ids, weights=valid, minlength=P)  # [P]
+        for pid, verifiable, p, n in zip(
+            groups.prompt_ids, groups.verifiable, passes, num_valid, strict=True
+        ):
+            if not verifiable or n == 0:
                 continue
-            passed = np.asarray(group.verifier_rewards) > self.success_threshold  # [G]
-            passes = float((passed & valid).sum())
-            c = self.counts.setdefault(group.prompt_id, [0.0, 0.0])
-            c[0] = self.decay * c[0] + passes
-            c[1] = self.decay * c[1] + (float(valid.sum()) - passes)
+            c = self.counts.setdefault(pid, [0.0, 0.0])
+            c[0] = self.decay * c[0] + float(p)
+            c[1] = self.decay * c[1] + float(n - p)
 
     def pass_rates(self, prompt_ids: Sequence[str]) -> np.ndarray:
         """float64 [P] posterior means; NaN for prompts never seen."""
@@ -398,179 +447,310 @@ class ZveConfig:
         return adaptive_group_sizes(pass_rates, zvp_target=self.zvp_target, **g)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
-class Group:
-    """The G rollouts of one prompt, as the ZVE stages see them."""
+def _row_major(x: np.ndarray | None, n: int, dtype, name: str) -> np.ndarray | None:
+    if x is None:
+        return None
+    x = np.asarray(x, dtype)
+    if x.shape != (n,):
+        raise ValueError(f"Groups.{name} has shape {x.shape}; need ({n},), one per row")
+    return x
 
-    prompt_id: str
-    rewards: np.ndarray  # float32 [G] final rewards (after shaping)
-    raw_rewards: np.ndarray | None = None  # float32 [G] verifier rewards, before shaping
-    valid: np.ndarray | None = None  # bool [G] reward call succeeded (reward_ok); None: all
-    verifiable: bool = True  # False: rewards without absolute correctness (a judge)
-    age: int = 0  # optimiser steps since sampling; > 0 only for carried-over resample groups
-    payload: Any = None  # opaque: tokens, old log-probs, entropies, router trace (of its policy)
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Groups:
+    """Groups of rollouts as row-aligned host arrays: what the ZVE stages and the trainer share.
+
+    The convention of `espo.types.Rollout` / `espo.batching.TrainBatch`: row r belongs to group
+    `group_ids[r]` in 0..P-1; here rows are also group-major (the rows of a group adjacent, the
+    groups in id order, every group non-empty), as a Rollout's are. Per-group fields are indexed
+    by group id. `rows` holds any named per-row payload [N, ...] (tokens, masks, sampler
+    log-probs, router trace...); every selection (`take`, `concat`) moves it with its rows, so a
+    group never loses the arrays of the policy that sampled it. Host numpy only, never jitted.
+    """
+
+    prompt_ids: tuple[str, ...]  # [P] the prompt of each group
+    group_ids: np.ndarray  # int32 [N] 0..P-1, non-decreasing
+    rewards: np.ndarray  # float32 [N] final rewards (after shaping)
+    raw_rewards: np.ndarray | None = None  # float32 [N] verifier, before shaping; None: rewards
+    valid: np.ndarray | None = None  # bool [N] reward call succeeded (reward_ok); None: all
+    verifiable: np.ndarray | None = None  # bool [P] False: relative rewards (a judge); None: all
+    ages: np.ndarray | None = None  # int64 [P] optimiser steps since sampling; None: all 0
+    rows: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)  # [N, ...] payload
 
     def __post_init__(self) -> None:
-        shape = np.shape(self.rewards)
-        for name in ("raw_rewards", "valid"):
-            value = getattr(self, name)
-            if value is not None and np.shape(value) != shape:
-                raise ValueError(f"Group.{name} has shape {np.shape(value)}; need {shape}")
-        if not _is_int(self.age) or self.age < 0:
-            raise ValueError(f"Group.age={self.age!r}; valid: an int >= 0")
+        set_ = functools.partial(object.__setattr__, self)  # normalise the frozen fields
+        set_("prompt_ids", tuple(str(p) for p in self.prompt_ids))
+        P, ids = len(self.prompt_ids), np.asarray(self.group_ids, np.int32)  # [N]
+        n = ids.shape[0] if ids.ndim == 1 else -1
+        in_range = n > 0 and ids.min() >= 0 and ids.max() < P
+        sizes = np.bincount(ids, minlength=P) if in_range else np.zeros(P, np.int64)  # [P]
+        if not (n == P == 0 or (in_range and (sizes >= 1).all() and (np.diff(ids) >= 0).all())):
+            raise ValueError(
+                f"Groups.group_ids={ids!r:.120} invalid: need [N] ids 0..{P - 1} (P = "
+                f"len(prompt_ids)), non-decreasing, every group with >= 1 row"
+            )
+        set_("group_ids", ids)
+        set_("rewards", _row_major(self.rewards, n, np.float32, "rewards"))
+        set_("raw_rewards", _row_major(self.raw_rewards, n, np.float32, "raw_rewards"))
+        valid = np.ones(n, bool) if self.valid is None else self.valid
+        set_("valid", _row_major(valid, n, bool, "valid"))
+        for name, dtype, default in (("verifiable", bool, True), ("ages", np.int64, 0)):
+            value = (
+                np.full(P, default, dtype) if getattr(self, name) is None else getattr(self, name)
+            )
+            value = np.asarray(value, dtype)
+            if value.shape != (P,):
+                raise ValueError(
+                    f"Groups.{name} has shape {value.shape}; need ({P},), one per group"
+                )
+            set_(name, value)
+        if (self.ages < 0).any():
+            raise ValueError(f"Groups.ages={self.ages}; valid: ints >= 0")
+        rows = {k: np.asarray(v) for k, v in self.rows.items()}
+        bad = {k: v.shape for k, v in rows.items() if v.ndim == 0 or v.shape[0] != n}
+        if bad:
+            raise ValueError(f"Groups.rows {bad} are not row-aligned: need [N={n}, ...] arrays")
+        set_("rows", rows)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        prompt_ids: Sequence[str],
+        rewards: Sequence[np.ndarray],
+        raw_rewards: Sequence[np.ndarray] | None = None,
+        valid: Sequence[np.ndarray] | None = None,
+        rows: Mapping[str, Sequence[np.ndarray]] | None = None,
+        **per_group: Any,
+    ) -> Groups:
+        """The table of ragged groups given one array per group (`rewards[p]` [G_p] ...);
+        `per_group` are the per-group fields (verifiable, ages)."""
+        sizes = [np.size(r) for r in rewards]
+        cat = lambda xs: None if xs is None else np.concatenate([np.ravel(x) for x in xs])
+        empty = np.zeros(0, np.float32)
+        return cls(
+            prompt_ids=tuple(prompt_ids),
+            group_ids=np.repeat(np.arange(len(sizes)), sizes),
+            rewards=cat(rewards) if sizes else empty,
+            raw_rewards=cat(raw_rewards) if sizes else None,
+            valid=cat(valid) if sizes else None,
+            rows={k: np.concatenate(v) for k, v in (rows or {}).items()},
+            **per_group,
+        )
+
+    @classmethod
+    def empty(cls) -> Groups:
+        return cls(prompt_ids=(), group_ids=np.zeros(0, np.int32), rewards=np.zeros(0))
 
     @property
-    def group_size(self) -> int:
-        return int(np.size(self.rewards))
+    def num_groups(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return self.group_ids.shape[0]
+
+    @property
+    def group_sizes(self) -> np.ndarray:
+        """int64 [P] rows of each group (its G)."""
+        return np.bincount(self.group_ids, minlength=self.num_groups)
 
     @property
     def verifier_rewards(self) -> np.ndarray:
-        """float32 [G]: the rewards before shaping (`raw_rewards`, else `rewards`)."""
+        """float32 [N]: the rewards before shaping (`raw_rewards`, else `rewards`)."""
         return self.rewards if self.raw_rewards is None else self.raw_rewards
 
-    @property
-    def valid_mask(self) -> np.ndarray:
-        """bool [G]: `valid`, or all True."""
-        if self.valid is None:
-            return np.ones(self.group_size, bool)
-        return np.asarray(self.valid, bool)
+    def take(self, groups: Sequence[int] | np.ndarray) -> Groups:
+        """The groups `groups` (ids, in that order) with their rows, renumbered 0..len-1."""
+        index = np.asarray(groups, np.int64).reshape(-1)  # [P']
+        sizes = self.group_sizes
+        starts = np.cumsum(sizes) - sizes  # [P] first row of each group
+        rows = np.concatenate([np.arange(starts[g], starts[g] + sizes[g]) for g in index] or
+                              [np.zeros(0, np.int64)])  # fmt: skip
+        pick = lambda x: None if x is None else x[rows]
+        return Groups(
+            prompt_ids=tuple(self.prompt_ids[g] for g in index),
+            group_ids=np.repeat(np.arange(index.size), sizes[index]),
+            rewards=self.rewards[rows],
+            raw_rewards=pick(self.raw_rewards),
+            valid=self.valid[rows],
+            verifiable=self.verifiable[index],
+            ages=self.ages[index],
+            rows={k: v[rows] for k, v in self.rows.items()},
+        )
 
-    @property
-    def shaping(self) -> np.ndarray:
-        """float32 [G]: rewards - verifier rewards (what `espo.advantages.compute` centres)."""
-        return np.asarray(self.rewards, np.float32) - np.asarray(self.verifier_rewards, np.float32)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ResampleBuffer:
-    """Informative groups generated beyond a batch, with their ages in steps (explicit state)."""
-
-    groups: tuple[Group, ...] = ()
-    ages: tuple[int, ...] = ()  # steps each group has waited
+    @staticmethod
+    def concat(tables: Sequence[Groups]) -> Groups:
+        """The groups of every table in order, renumbered; tables without groups are skipped
+        (an empty buffer has no payload names). The others must share their `rows` names."""
+        tables = [t for t in tables if t.num_groups]
+        if not tables:
+            return Groups.empty()
+        if len(tables) == 1:
+            return tables[0]
+        names = {tuple(sorted(t.rows)) for t in tables}
+        if len(names) > 1:
+            raise ValueError(f"Groups.concat: tables with different payload rows {sorted(names)}")
+        offsets = np.cumsum([0] + [t.num_groups for t in tables[:-1]])
+        cat = lambda f: np.concatenate([f(t) for t in tables])
+        raw = any(t.raw_rewards is not None for t in tables)
+        return Groups(
+            prompt_ids=sum((t.prompt_ids for t in tables), ()),
+            group_ids=np.concatenate(
+                [t.group_ids + o for t, o in zip(tables, offsets, strict=True)]
+            ),
+            rewards=cat(lambda t: t.rewards),
+            raw_rewards=cat(lambda t: t.verifier_rewards) if raw else None,
+            valid=cat(lambda t: t.valid),
+            verifiable=cat(lambda t: t.verifiable),
+            ages=cat(lambda t: t.ages),
+            rows={k: cat(lambda t, k=k: t.rows[k]) for k in tables[0].rows},
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(groups=[dict(vars(g)) for g in self.groups], ages=list(self.ages))
+        """Numpy arrays and plain python (`espo.checkpoint.arrays_to_json` makes it JSON)."""
+        names = ("group_ids", "rewards", "raw_rewards", "valid", "verifiable", "ages")
+        return dict(
+            prompt_ids=list(self.prompt_ids),
+            **{k: getattr(self, k) for k in names},
+            rows=dict(self.rows),
+        )
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> ResampleBuffer:
-        groups = tuple(_group(**g) for g in state["groups"])
-        return cls(groups=groups, ages=tuple(int(a) for a in state["ages"]))
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Groups:
+        return cls(**dict(state, prompt_ids=tuple(state["prompt_ids"]), rows=dict(state["rows"])))
 
 
-def _group(*, prompt_id, rewards, raw_rewards=None, valid=None, **kwargs) -> Group:
-    raw = None if raw_rewards is None else np.asarray(raw_rewards, np.float32)
-    valid = None if valid is None else np.asarray(valid, bool)
-    rewards = np.asarray(rewards, np.float32)
-    return Group(prompt_id=prompt_id, rewards=rewards, raw_rewards=raw, valid=valid, **kwargs)
+class _CallStats(NamedTuple):
+    """What the metrics need of one generate call (its payload is not kept for them)."""
+
+    num_groups: int
+    num_rows: int
+    informative: np.ndarray  # bool [P]
+    num_valid: np.ndarray  # int64 [P]
+    shaped_zero: np.ndarray | None  # bool [P] ties in the shaped rewards; None: no raw rewards
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FillResult:
-    groups: list[Group]  # the optimiser's batch, at most batch_size groups
-    buffer: ResampleBuffer  # leftovers for the next call
+    batch: Groups  # the optimiser's batch, at most batch_size groups, ids 0..P-1
+    buffer: Groups  # leftovers for the next call, ages = their age in the next batch
     metrics: dict[str, float]
 
 
 def fill_batch(
     *,
     prompts: Iterator[Prompt],
-    generate: Callable[[list[Prompt], np.ndarray], Sequence[Group | np.ndarray]],
+    generate: Callable[[list[Prompt], np.ndarray], Groups],
     batch_size: int,
     group_size: int | Callable[[list[Prompt]], Sequence[int]],
     config: ZveConfig,
-    buffer: ResampleBuffer | None = None,
+    buffer: Groups | None = None,
     history: PassRateHistory | None = None,
-    id_fn: Callable[[Prompt], str] = prompt_id,
 ) -> FillResult:
     """One optimiser batch of `batch_size` groups under `config.mode`.
 
-    `generate(prompts, group_sizes)` returns one Group (or rewards array [G]) per prompt;
-    `group_size` is a fixed G or a callback prompts -> [G] (e.g. `config.group_sizes` of the
-    history's pass rates). Buffered leftovers fill the batch first. "resample" then draws
+    `generate(prompts, group_sizes)` returns one `Groups` table with group p = prompts[p] of
+    group_sizes[p] rows (its ages are ignored: new groups have age 0); `group_size` is a fixed G
+    or a callback prompts -> [G] (e.g. `config.group_sizes` of the history's pass rates).
+    Buffered leftovers fill the batch first. "resample" then draws
     missing * clip(1 / informative rate so far, oversample, max_oversample) prompts per round for
     at most 1 + max_resample_rounds calls, keeps informative groups only, and buffers the extra;
     a batch still short is returned short (never padded with ZVP groups) and reported. "rl_zvp"
     and "drop" make one call for the missing prompts; "drop" discards groups that are not
     informative, "rl_zvp" keeps them (the advantage gives them RL-ZVP, or 0 without signal).
     "Informative" is `is_informative`: judged on verifier rewards of valid samples (see the
-    module docstring). Groups served from the buffer come back with `age` set to the steps since
-    they were sampled. `history` is updated in place with every newly generated group, ZVP
-    groups included, buffered ones not again.
+    module docstring). The batch is one table (buffered groups first, then the new ones in
+    generation order, ids renumbered), each group's `ages` the steps since it was sampled.
+    `history` is updated in place with every newly generated group, ZVP groups included,
+    buffered ones not again.
     """
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}; valid: an int >= 1")
-    buffer = buffer or ResampleBuffer()
+    buffer = Groups.empty() if buffer is None else buffer
     limit = config.max_carry_over_steps
-    fresh = [(g, a) for g, a in zip(buffer.groups, buffer.ages, strict=True) if a < limit]
-    # A leftover buffered at age 0 was sampled one optimiser step before this batch.
-    batch = [dataclasses.replace(g, age=a + 1) for g, a in fresh[:batch_size]]
-    waiting = fresh[batch_size:]
-    leftovers, generated = [], []  # informative groups beyond the batch; every new group
-    informative_of: dict[int, bool] = {}  # id(group) -> is_informative, computed once
-    informative = lambda g: informative_of.setdefault(id(g), is_informative(g, atol=config.atol))
+    fresh = np.flatnonzero(buffer.ages <= limit)  # a buffered group's age is its age now
+    older = lambda t: dataclasses.replace(t, ages=t.ages + 1)
+    parts = [buffer.take(fresh[:batch_size])]  # the batch, in order
+    waiting = older(buffer.take(fresh[batch_size:]))
+    leftovers, made = [], []  # informative groups generated beyond the batch; every new table
+    stats: list[_CallStats] = []
+    num_batch = parts[0].num_groups
     resample = config.mode == "resample"
     calls, drawn_total, exhausted = 0, 0, False
     max_calls = 1 + config.max_resample_rounds if resample else 1
-    while len(batch) < batch_size and calls < max_calls and not exhausted:
-        num_informative = sum(informative(g) for g in generated)
-        rate = num_informative / len(generated) if generated else 1.0  # informative rate so far
+    while num_batch < batch_size and calls < max_calls and not exhausted:
+        generated = sum(c.num_groups for c in stats)
+        rate = sum(c.informative.sum() for c in stats) / generated if generated else 1.0
         factor = min(config.max_oversample, max(config.oversample, 1 / max(rate, 1e-9)))
-        n = math.ceil((batch_size - len(batch)) * (factor if resample else 1.0))
+        n = math.ceil((batch_size - num_batch) * (factor if resample else 1.0))
         drawn = list(itertools.islice(prompts, n))
         exhausted = len(drawn) < n
         if not drawn:
             break
         drawn_total += len(drawn)
         sizes = np.asarray(group_size(drawn) if callable(group_size) else [group_size] * len(drawn))
-        out = list(generate(drawn, sizes))
+        out = generate(drawn, sizes)
         calls += 1
-        if len(out) != len(drawn):
-            raise ValueError(f"generate returned {len(out)} groups for {len(drawn)} prompts")
-        for item, prompt, g in zip(out, drawn, sizes, strict=True):
-            if not isinstance(item, Group):
-                item = _group(prompt_id=id_fn(prompt), rewards=item)
-            if item.group_size != g:
-                raise ValueError(f"generate returned {item.group_size} rewards for G={g}")
-            generated.append(item)
-            if config.mode == "rl_zvp" or informative(item):
-                (batch if len(batch) < batch_size else leftovers).append(item)
-    if history is not None:
-        history.update(generated)
-    num_informative = sum(informative(g) for g in generated)
-    rollouts = sum(g.group_size for g in generated)
-    aged = [(g, a + 1) for g, a in waiting] + [(g, 0) for g in leftovers]
-    carried = [(g, a) for g, a in aged if a < limit]  # the rest is too old (or carry-over is off)
-    groups, ages = zip(*carried, strict=True) if carried else ((), ())
-    num_valid = lambda g: int(g.valid_mask.sum())
+        if out.num_groups != len(drawn):
+            raise ValueError(f"generate returned {out.num_groups} groups for {len(drawn)} prompts")
+        if not np.array_equal(out.group_sizes, sizes):
+            raise ValueError(f"generate returned group sizes {out.group_sizes} for G={sizes}")
+        out = dataclasses.replace(out, ages=np.zeros(out.num_groups, np.int64))
+        made.append(out)
+        zero, num_valid = zero_variance_groups(
+            out.verifier_rewards, group_ids=out.group_ids, num_groups=out.num_groups,
+            valid=out.valid, atol=config.atol,
+        )  # fmt: skip
+        shaped = None
+        if out.raw_rewards is not None:  # a measurement of the reward stage only
+            shaped = zero_variance_groups(
+                out.rewards, group_ids=out.group_ids, num_groups=out.num_groups,
+                valid=out.valid, atol=config.atol,
+            )[0]  # fmt: skip
+        stats.append(_CallStats(out.num_groups, out.num_rows, ~zero, num_valid, shaped))
+        kept = np.flatnonzero(np.ones_like(zero) if config.mode == "rl_zvp" else ~zero)
+        room = batch_size - num_batch
+        parts.append(out.take(kept[:room]))
+        leftovers.append(out.take(kept[room:]))
+        num_batch += min(room, kept.size)
+    if history is not None:  # after the loop: adaptive G and the prompts see the old history
+        for out in made:
+            history.update(out)
+    batch = Groups.concat(parts)
+    aged = Groups.concat([waiting, *(older(t) for t in leftovers)])  # ages in the next batch
+    carried = aged.take(np.flatnonzero(aged.ages <= limit))  # the rest is too old (or limit 0)
+    num_generated = sum(c.num_groups for c in stats)
+    num_informative = int(sum(c.informative.sum() for c in stats))
+    rollouts = sum(c.num_rows for c in stats)
     metrics = {
         "zve/generate_calls": float(calls),
         "zve/prompts_drawn": float(drawn_total),
         "zve/prompts_exhausted": float(exhausted),
-        "zve/carried_in": float(len(fresh[:batch_size])),
-        "zve/carried_out": float(len(carried)),
-        "zve/buffer_dropped": float(len(buffer.groups) - len(fresh) + len(aged) - len(carried)),
-        "zve/batch_groups": float(len(batch)),
-        "zve/batch_fill_fraction": len(batch) / batch_size,
-        "zve/groups_generated": float(len(generated)),
+        "zve/carried_in": float(parts[0].num_groups),
+        "zve/carried_out": float(carried.num_groups),
+        "zve/buffer_dropped": float(
+            buffer.num_groups - fresh.size + aged.num_groups - carried.num_groups
+        ),
+        "zve/batch_groups": float(batch.num_groups),
+        "zve/batch_fill_fraction": batch.num_groups / batch_size,
+        "zve/groups_generated": float(num_generated),
         "zve/rollouts_generated": float(rollouts),
         "zve/informative_groups_generated": float(num_informative),
-        "zve/invalid_samples": float(sum(g.group_size - num_valid(g) for g in generated)),
-        "zve/no_signal_groups": float(sum(num_valid(g) < 2 for g in generated)),
+        "zve/invalid_samples": float(rollouts - sum(c.num_valid.sum() for c in stats)),
+        "zve/no_signal_groups": float(sum((c.num_valid < 2).sum() for c in stats)),
     }
-    if generated:
-        metrics["zve/rollout_zvp_rate"] = 1.0 - num_informative / len(generated)  # verifier
-        if any(g.raw_rewards is not None for g in generated):
-            # A measurement of the reward stage only: ties left in the shaped rewards.
-            shaped = [is_zero_variance(g.rewards, atol=config.atol, valid=g.valid_mask)
-                      for g in generated]  # fmt: skip
-            metrics["zve/post_shaping_zvp_rate"] = float(np.mean(shaped))
+    if num_generated:
+        metrics["zve/rollout_zvp_rate"] = 1.0 - num_informative / num_generated  # verifier
+        shaped = [c.shaped_zero for c in stats if c.shaped_zero is not None]
+        if shaped:  # ties left in the shaped rewards, over the calls that gave raw rewards
+            metrics["zve/post_shaping_zvp_rate"] = float(np.concatenate(shaped).mean())
     if num_informative:
         metrics["zve/rollouts_per_informative_group"] = rollouts / num_informative
-    if batch:
+    if batch.num_groups:
         # The verifier part of the advantage is 0 on these; rl_zvp gives verifiable ones RL-ZVP.
-        batch_zvp = [not informative(g) for g in batch]
-        metrics["zve/optimizer_zvp_rate"] = float(np.mean(batch_zvp))
-        zero = sum(g.group_size for g, z in zip(batch, batch_zvp, strict=True) if z)
-        metrics["zve/zero_advantage_rollout_fraction"] = zero / sum(g.group_size for g in batch)
-    buffer_out = ResampleBuffer(groups=tuple(groups), ages=tuple(ages))
-    return FillResult(groups=batch, buffer=buffer_out, metrics=metrics)
+        batch_zvp = ~is_informative(batch, atol=config.atol)  # [P]
+        metrics["zve/optimizer_zvp_rate"] = float(batch_zvp.mean())
+        zero_rows = batch.group_sizes[batch_zvp].sum()
+        metrics["zve/zero_advantage_rollout_fraction"] = float(zero_rows / batch.num_rows)
+    return FillResult(batch=batch, buffer=carried, metrics=metrics)

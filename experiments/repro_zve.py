@@ -85,16 +85,24 @@ def draw(rng: np.random.Generator, rates: np.ndarray, cfg: shaping.ShapingConfig
     return (correct & (lengths < cfg.max_length)).astype(np.float32), lengths
 
 
-def rollout(rng, *, rates, prompts, sizes, cfg) -> list[zero_variance.Group]:
+def rollout(rng, *, rates, prompts, sizes, cfg) -> zero_variance.Groups:
     """Groups of sizes[i] rollouts of prompt i: raw rewards and overlong-shaped rewards."""
     sizes = np.asarray(sizes, np.int64)
     raw, lengths = draw(rng, np.repeat(rates[np.asarray(prompts)], sizes), cfg)  # [sum(G)]
     shaped, _ = shaping.shape_rewards(raw, lengths=lengths, token_ids_or_texts=None, cfg=cfg)
-    cuts = np.cumsum(sizes)[:-1]
-    return [
-        zero_variance.Group(prompt_id=str(p), rewards=s, raw_rewards=r)
-        for p, s, r in zip(prompts, np.split(shaped, cuts), np.split(raw, cuts), strict=True)
-    ]
+    return zero_variance.Groups(
+        prompt_ids=tuple(str(p) for p in prompts),
+        group_ids=np.repeat(np.arange(sizes.size), sizes),
+        rewards=shaped,
+        raw_rewards=raw,
+    )
+
+
+def ties(groups: zero_variance.Groups, values: np.ndarray) -> np.ndarray:
+    """bool [P]: no spread in `values` [N] within each group (the rule on other rewards)."""
+    return zero_variance.zero_variance_groups(
+        values, group_ids=groups.group_ids, num_groups=groups.num_groups
+    )[0]
 
 
 def cycle(rng: np.random.Generator, items: Sequence[int]) -> Iterator[int]:
@@ -113,15 +121,14 @@ def advantage_rows(rng, groups, *, shaped: bool, use_rl_zvp: bool):
     over tokens), |A| under the old rule (GRPO on the final, shaped rewards), and whether its
     group is zero-variance on the verifier. Rows and groups are padded to powers of two (ids out
     of range are padding), so the jitted compute sees few shapes."""
-    sizes = np.array([g.group_size for g in groups], np.int64)
-    n, num_groups = int(sizes.sum()), pow2(max(len(groups), 64))
+    sizes = groups.group_sizes  # [P]
+    n, num_groups = groups.num_rows, pow2(max(groups.num_groups, 64))
     rows = pow2(max(n, 256))
     ids = np.full(rows, num_groups, np.int32)  # [R] padding rows
-    ids[:n] = np.repeat(np.arange(len(groups)), sizes)
+    ids[:n] = groups.group_ids
     verifier, final = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
-    if groups:
-        verifier[:n] = np.concatenate([g.verifier_rewards for g in groups])
-        final[:n] = np.concatenate([g.rewards if shaped else g.verifier_rewards for g in groups])
+    verifier[:n] = groups.verifier_rewards
+    final[:n] = groups.rewards if shaped else groups.verifier_rewards
     cfg = advantages.AdvantageConfig(rl_zvp=use_rl_zvp)
     kw = dict(group_ids=ids, num_groups=num_groups, cfg=cfg, shaping=final - verifier)
     if use_rl_zvp:
@@ -130,7 +137,7 @@ def advantage_rows(rng, groups, *, shaped: bool, use_rl_zvp: bool):
     adv = np.abs(np.asarray(_compute(verifier, **kw).advantages))  # [R] or [R, T]
     adv = adv.max(-1) if adv.ndim == 2 else adv
     old = np.abs(np.asarray(_old_rule(final, group_ids=ids, num_groups=num_groups)))  # [R]
-    zvp = np.repeat([not zero_variance.is_informative(g) for g in groups], sizes)
+    zvp = np.repeat(~zero_variance.is_informative(groups), sizes)
     return adv[:n].astype(np.float64), old[:n].astype(np.float64), zvp.astype(bool)
 
 
@@ -138,27 +145,26 @@ def summarize(rng, groups, *, shaped, num_steps, batch_size, batch=None, use_rl_
     """A Table 2 row: generated groups give cost and gain, the optimiser batch gives the rest.
     ZVP is judged on the verifier rewards (the rule); `ties` is the old verdict, no spread in
     the final rewards (shaped when `shaped`), i.e. what shaping looked like it fixed."""
-    zvp_of = lambda g: not zero_variance.is_informative(g)
-    tied = lambda g: zero_variance.is_zero_variance(g.rewards if shaped else g.verifier_rewards)
     batch = groups if batch is None else batch
-    rollouts = sum(g.group_size for g in groups)
-    informative = sum(not zvp_of(g) for g in groups)
-    batch_zvp = [zvp_of(g) for g in batch]
-    zvp_rollouts = sum(g.group_size for g, z in zip(batch, batch_zvp, strict=True) if z)
+    rollouts = groups.num_rows
+    informative = int(zero_variance.is_informative(groups).sum())
+    batch_zvp = ~zero_variance.is_informative(batch)  # [P]
+    tied = ties(batch, batch.rewards if shaped else batch.verifier_rewards)  # [P]
+    zvp_rollouts = int(batch.group_sizes[batch_zvp].sum())
     adv, old, zvp_rows = advantage_rows(rng, batch, shaped=shaped, use_rl_zvp=use_rl_zvp)
     mean_on = lambda x, m: float(x[m].mean()) if m.any() else 0.0
     return {
-        "zvp_rate": float(np.mean(batch_zvp)) if batch else 0.0,
-        "tie_rate": float(np.mean([tied(g) for g in batch])) if batch else 0.0,
-        "num_zvp_in_batch": int(sum(batch_zvp)),
+        "zvp_rate": float(np.mean(batch_zvp)) if batch.num_groups else 0.0,
+        "tie_rate": float(np.mean(tied)) if batch.num_groups else 0.0,
+        "num_zvp_in_batch": int(batch_zvp.sum()),
         "rollouts_per_step": rollouts / num_steps,
         "informative_per_rollout": informative / max(rollouts, 1),
         "rollouts_per_informative": rollouts / max(informative, 1),
-        "zero_adv_fraction": zvp_rollouts / max(sum(g.group_size for g in batch), 1),
+        "zero_adv_fraction": zvp_rollouts / max(batch.num_rows, 1),
         "zero_adv_fraction_actual": float((adv <= 1e-6).mean()) if adv.size else 0.0,
         "zvp_abs_adv": mean_on(adv, zvp_rows),  # mean |A| on verifier-ZVP rollouts
         "zvp_abs_adv_old_rule": mean_on(old, zvp_rows),  # the same under the old rule
-        "batch_fill": len(batch) / (batch_size * num_steps),
+        "batch_fill": batch.num_groups / (batch_size * num_steps),
     }
 
 
@@ -211,17 +217,18 @@ def run(
     budget = batch_size * group_size
     stages: dict[str, dict] = {}
 
-    made: list[zero_variance.Group] = []  # every group generated, for the cost columns
+    made: list[zero_variance.Groups] = []  # every table generated, for the cost columns
+    concat = zero_variance.Groups.concat
 
-    def generate(batch: list[int], sizes: Sequence[int]) -> list[zero_variance.Group]:
+    def generate(batch: list[int], sizes: Sequence[int]) -> zero_variance.Groups:
         groups = rollout(rng, rates=rates, prompts=batch, sizes=sizes, cfg=cfg)
-        made.extend(groups)
+        made.append(groups)
         return groups
 
-    def fixed_g(pool: list[int]) -> list[zero_variance.Group]:
+    def fixed_g(pool: list[int]) -> zero_variance.Groups:
         it = cycle(rng, pool)
         draws = (list(itertools.islice(it, batch_size)) for _ in range(num_steps))
-        return [g for d in draws for g in generate(d, [group_size] * batch_size)]
+        return concat([generate(d, [group_size] * batch_size) for d in draws])
 
     steps = dict(num_steps=num_steps, batch_size=batch_size)
     stages["raw GRPO"] = summarize(rng, fixed_g(prompts), shaped=False, **steps)
@@ -245,15 +252,16 @@ def run(
         batch = list(itertools.islice(it, batch_size))
         groups = generate(batch, adaptive(history)(batch))
         history.update(groups)
-        adaptive_groups += groups
+        adaptive_groups.append(groups)
+    adaptive_groups = concat(adaptive_groups)
     stages["+ adaptive G"] = summarize(rng, adaptive_groups, shaped=False, **steps)
     stages["+ reward shaping"] = summarize(rng, adaptive_groups, shaped=True, **steps)
-    n = len(adaptive_groups)
-    raw_z = [zero_variance.is_zero_variance(g.raw_rewards) for g in adaptive_groups]
-    shaped_z = [zero_variance.is_zero_variance(g.rewards) for g in adaptive_groups]
+    n = adaptive_groups.num_groups
+    raw_z = ties(adaptive_groups, adaptive_groups.raw_rewards)  # [P]
+    shaped_z = ties(adaptive_groups, adaptive_groups.rewards)  # [P]
     shaping_effect = {
-        "ties_broken": sum(r and not s for r, s in zip(raw_z, shaped_z, strict=True)) / n,
-        "ties_created": sum(s and not r for r, s in zip(raw_z, shaped_z, strict=True)) / n,
+        "ties_broken": int((raw_z & ~shaped_z).sum()) / n,
+        "ties_created": int((shaped_z & ~raw_z).sum()) / n,
     }
 
     for mode in MODES:
@@ -267,11 +275,11 @@ def run(
             out = zero_variance.fill_batch(
                 prompts=it, generate=generate, batch_size=batch_size,
                 group_size=adaptive(history), config=config, buffer=buffer, history=history,
-                id_fn=str,
             )  # fmt: skip
-            buffer, batches = out.buffer, batches + out.groups
+            buffer, batches = out.buffer, batches + [out.batch]
         stages[f"optimiser: {mode}"] = summarize(
-            rng, list(made), shaped=True, batch=batches, use_rl_zvp=mode == "rl_zvp", **steps,
+            rng, concat(made), shaped=True, batch=concat(batches), use_rl_zvp=mode == "rl_zvp",
+            **steps,
         )  # fmt: skip
     base = stages["raw GRPO"]["zvp_rate"]
     for row in stages.values():

@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import pytest
 
+from espo import batching, checkpoint, metrics, testing, trainer, zero_variance
 from espo import config as config_lib
-from espo import metrics, testing, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = [sys.executable, str(ROOT / "experiments" / "run.py")]
@@ -54,13 +54,23 @@ def _assert_same_runs(a: list[dict], b: list[dict]) -> None:
             )
 
 
+def _train_3_steps(workdir, **overrides) -> dict:
+    jax.config.update("jax_compilation_cache_dir", CACHE["JAX_COMPILATION_CACHE_DIR"])
+    return trainer.train(_config(train__steps=3, **overrides), str(workdir), progress=False)
+
+
+def _resume_from_step_2(straight_workdir, workdir, **overrides) -> None:
+    """Copies a 3-step run without its step-3 checkpoint and reruns it (resumes at step 2)."""
+    shutil.copytree(straight_workdir, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "3")
+    _train_3_steps(workdir, **overrides)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The reference: 3 uninterrupted steps of the default tiny config."""
-    jax.config.update("jax_compilation_cache_dir", CACHE["JAX_COMPILATION_CACHE_DIR"])
     workdir = tmp_path_factory.mktemp("straight")
-    summary = trainer.train(_config(train__steps=3), str(workdir), progress=False)
-    return workdir, summary
+    return workdir, _train_3_steps(workdir)
 
 
 def test_tiny_run_writes_what_a_user_sees(straight):
@@ -86,11 +96,31 @@ def test_tiny_run_writes_what_a_user_sees(straight):
 
 def test_resume_equals_uninterrupted(straight, tmp_path):
     """2 steps + checkpoint + 1 more step == 3 straight steps (the step-3 checkpoint removed)."""
-    workdir = tmp_path / "resumed"
-    shutil.copytree(straight[0], workdir)
-    shutil.rmtree(workdir / "checkpoints" / "3")
-    trainer.train(_config(train__steps=3), str(workdir), progress=False)
-    _assert_same_runs(_comparable(workdir), _comparable(straight[0]))
+    _resume_from_step_2(straight[0], tmp_path / "resumed")
+    _assert_same_runs(_comparable(tmp_path / "resumed"), _comparable(straight[0]))
+
+
+# Resample with carry-over; oversampling x16 so that the tiny (nearly random) policy, which
+# finds ~1 informative group in 8, leaves groups over for later steps.
+CARRY_OVER = dict(zve__mode="resample", zve__max_carry_over_steps=2, zve__oversample=16.0,
+                  zve__max_oversample=16.0)  # fmt: skip
+
+
+def test_resume_with_carried_over_groups_equals_uninterrupted(tmp_path):
+    """The resample buffer (groups with their rollout rows) is checkpointed: a run that resumes
+    at step 2 serves step 3 from the same carried-over groups as the uninterrupted run.
+    Wrong answer (the buffer not restored): step 3 generates instead, its metrics differ."""
+    _train_3_steps(tmp_path / "straight", **CARRY_OVER)
+    rows = metrics.read_jsonl(tmp_path / "straight" / "metrics.jsonl")
+    # The test only means something if step 2 left groups over and step 3 used them.
+    assert rows[2]["zve/carried_out"] >= 1 and rows[3]["zve/carried_in"] >= 1, rows[2:]
+    with checkpoint.Checkpointer(tmp_path / "straight" / "checkpoints", every_steps=1, keep=9) as c:
+        host = c.restore_host(2)
+    buffer = zero_variance.Groups.from_state_dict(checkpoint.arrays_from_json(host["buffer"]))
+    assert buffer.num_groups == rows[2]["zve/carried_out"]
+    assert set(buffer.rows) == set(batching.ROW_FIELDS) and (buffer.ages == 1).all()
+    _resume_from_step_2(tmp_path / "straight", tmp_path / "resumed", **CARRY_OVER)
+    _assert_same_runs(_comparable(tmp_path / "resumed"), _comparable(tmp_path / "straight"))
 
 
 def test_sigkill_mid_step_then_rerun_equals_uninterrupted(straight, tmp_path):

@@ -2,7 +2,9 @@
 
 Two fakes: `BernoulliPolicy` samples reward 1 with probability p (seeded numpy RNG) for the
 statistical checks; `QuantilePolicy` gives exactly round(p * G) ones then zeros, so p in (0, 1)
-is always informative and p in {0, 1} always zero-variance, for exact counting tests.
+is always informative and p in {0, 1} always zero-variance, for exact counting tests. Its rows
+carry a payload ("tokens": a serial number per generated row) so tests can check which rows a
+batch holds; `reference_fill` is the plain per-group loop that `fill_batch` must agree with.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 
+import chex
+import jax
 import numpy as np
 import pytest
 
-from espo import advantages
+from espo import advantages, checkpoint
 from espo import zero_variance as zv
 
 
@@ -37,14 +42,32 @@ class BernoulliPolicy:
 class QuantilePolicy:
     def __init__(self):
         self.calls: list[list[int]] = []  # the group sizes of each generate call
+        self.made: list[zv.Groups] = []  # every table generated, in order
+        self.num_rows = 0
 
     def generate(self, prompts, group_sizes):
         self.calls.append([int(g) for g in group_sizes])
-        out = []
-        for prompt, g in zip(prompts, group_sizes, strict=True):
-            rewards = (np.arange(g) < round(prompt["p"] * g)).astype(np.float32)  # [G]
-            out.append(zv.Group(prompt_id=zv.prompt_id(prompt), rewards=rewards, payload=prompt))
+        rewards = [(np.arange(g) < round(p["p"] * g)).astype(np.float32)  # [G]
+                   for p, g in zip(prompts, group_sizes, strict=True)]  # fmt: skip
+        n = int(np.sum(group_sizes))
+        tokens = self.num_rows + np.arange(n)[:, None] * np.ones(3, np.int32)  # [n, 3] row serial
+        self.num_rows += n
+        out = zv.Groups.of(prompt_ids=[zv.prompt_id(p) for p in prompts], rewards=rewards)
+        out = dataclasses.replace(out, rows={"tokens": tokens})
+        self.made.append(out)
         return out
+
+
+def group_list(table: zv.Groups) -> list[dict]:
+    """The table as one dict per group (prompt id, rewards, tokens, age): the reference view."""
+    starts = np.cumsum(table.group_sizes) - table.group_sizes
+    return [
+        dict(prompt_id=pid, age=int(table.ages[g]),
+             rewards=table.rewards[s : s + n].tolist(),
+             tokens=table.rows["tokens"][s : s + n].tolist() if "tokens" in table.rows else None)
+        for g, (pid, s, n) in enumerate(zip(table.prompt_ids, starts, table.group_sizes,
+                                            strict=True))
+    ]  # fmt: skip
 
 
 def stream(rates):
@@ -72,9 +95,10 @@ def test_zero_variance_agrees_with_advantages_compute():
     rewards[8:16, 0] += 1e-3  # above atol
     valid = rng.random((64, 4)) > 0.25
     rewards[~valid] = np.nan  # what a failed sample holds must not matter
-    groups = [zv.Group(prompt_id=str(i), rewards=r, valid=v) for i, (r, v) in
-              enumerate(zip(rewards, valid, strict=True))]  # fmt: skip
-    ours = [zv.is_informative(g) for g in groups]
+    groups = zv.Groups.of(prompt_ids=[str(i) for i in range(64)], rewards=rewards, valid=valid)
+    ours = zv.is_informative(groups)
+    one_by_one = [not zv.is_zero_variance(r, valid=v) for r, v in zip(rewards, valid, strict=True)]
+    np.testing.assert_array_equal(ours, one_by_one)
     out = advantages.compute_dense(rewards, cfg=advantages.AdvantageConfig(), valid=valid)
     theirs = ~np.asarray(out.zero_variance_groups) & ~np.asarray(out.no_signal_groups)
     np.testing.assert_array_equal(ours, theirs)
@@ -92,10 +116,15 @@ def test_zero_variance_boundaries_by_hand():
     assert check([0.5, 0.75]) and not check([0.5, 0.875])
     assert check([1.0, np.nan, 1.0], valid=[True, False, True])
     assert not check([1.0, 0.0, np.nan], valid=[True, True, False])
-    group = lambda r, valid=None: zv.Group(prompt_id="a", rewards=np.array(r), valid=valid)
-    assert not zv.is_informative(group([1.0]))  # one sample: no signal
-    assert not zv.is_informative(group([1.0, 0.0], valid=np.array([True, False])))
-    assert zv.is_informative(group([1.0, 0.0]))
+    table = zv.Groups.of(prompt_ids=["a", "b", "c"], rewards=[[1.0], [1.0, 0.0], [1.0, 0.0]],
+                         valid=[[True], [True, False], [True, True]])  # fmt: skip
+    # one sample: no signal; one valid sample: no signal; two different: informative.
+    np.testing.assert_array_equal(zv.is_informative(table), [False, False, True])
+    zero, num_valid = zv.zero_variance_groups(
+        table.rewards, group_ids=table.group_ids, num_groups=3, valid=table.valid
+    )
+    np.testing.assert_array_equal(zero, [True, True, False])
+    np.testing.assert_array_equal(num_valid, [1, 1, 2])
 
 
 # ---------------------------------------------------------------- stage 1: offline pre-filter
@@ -294,21 +323,21 @@ def test_zvp_rate_falls_with_group_size_on_fake_policy():
 
 def test_pass_rate_history_updates_and_serialises():
     history = zv.PassRateHistory()  # Beta(0.5, 0.5) prior
-    group = lambda rewards, raw=None: zv.Group(
-        prompt_id="a", rewards=np.array(rewards), raw_rewards=raw
+    group = lambda rewards, raw=None: zv.Groups.of(
+        prompt_ids=["a"], rewards=[rewards], raw_rewards=None if raw is None else [raw]
     )
-    history.update([group([1, 1, 1, 0])])
+    history.update(group([1, 1, 1, 0]))
     np.testing.assert_allclose(history.pass_rates(["a", "never"]), [3.5 / 5, np.nan])
-    history.update([group([0, 0, 0, 0])])
+    history.update(group([0, 0, 0, 0]))
     np.testing.assert_allclose(history.pass_rates(["a"]), [3.5 / 9])
     # raw (unshaped) rewards decide the pass: shaped 0.5 > 0 would count 2 passes, raw counts 1.
-    history.update([group([0.5, 0.5], raw=np.array([1.0, 0.0]))])
+    history.update(group([0.5, 0.5], raw=np.array([1.0, 0.0])))
     np.testing.assert_allclose(history.pass_rates(["a"]), [4.5 / 11])
     state = json.loads(json.dumps(history.state_dict()))
     assert zv.PassRateHistory.from_state_dict(state) == history
     decayed = zv.PassRateHistory(decay=0.5)
-    decayed.update([group([1, 1, 1, 0])])
-    decayed.update([group([0, 0, 0, 0])])  # counts [3, 1] -> [1.5, 0.5 + 4]
+    decayed.update(group([1, 1, 1, 0]))
+    decayed.update(group([0, 0, 0, 0]))  # counts [3, 1] -> [1.5, 0.5 + 4]
     np.testing.assert_allclose(decayed.pass_rates(["a"]), [2.0 / 7])
     table = zv.PassRateTable(policy_tag="t", num_samples=8, pass_rates={"b": 0.25})
     np.testing.assert_allclose(zv.PassRateHistory.from_table(table).pass_rates(["b"]), [2.5 / 9])
@@ -320,14 +349,18 @@ def test_pass_rate_history_skips_failed_samples_and_judge_groups():
     # issue 7 #2: [1, 0 (failed), 1, 0] counts 2 passes and 1 failure, not 2 and 2.
     history = zv.PassRateHistory()
     valid = np.array([True, False, True, True])
-    history.update([zv.Group(prompt_id="a", rewards=np.array([1.0, 0.0, 1.0, 0.0]), valid=valid)])
+    history.update(zv.Groups.of(prompt_ids=["a"], rewards=[[1.0, 0.0, 1.0, 0.0]], valid=[valid]))
     assert history.counts == {"a": [2.0, 1.0]}
     # A judge's relative rewards (unverifiable) and an all-failed group say nothing.
-    history.update([
-        zv.Group(prompt_id="a", rewards=np.array([1.0, -1.0]), verifiable=False),
-        zv.Group(prompt_id="b", rewards=np.zeros(2), valid=np.zeros(2, bool)),
-    ])  # fmt: skip
+    history.update(zv.Groups.of(
+        prompt_ids=["a", "b"], rewards=[[1.0, -1.0], [0.0, 0.0]], verifiable=[False, True],
+        valid=[[True, True], [False, False]],
+    ))  # fmt: skip
     assert history.counts == {"a": [2.0, 1.0]}
+    # One table visits a prompt twice: decays twice, in order ([2, 1] -> [1, 2.5] -> [1.5, 1.25]).
+    decayed = zv.PassRateHistory(decay=0.5, counts={"a": [2.0, 1.0]})
+    decayed.update(zv.Groups.of(prompt_ids=["a", "a"], rewards=[[0.0, 0.0], [1.0]]))
+    assert decayed.counts == {"a": [1.5, 1.25]}
 
 
 # ---------------------------------------------------------------- stage 4: optimisation
@@ -346,8 +379,9 @@ def fill(rates_or_iter, *, policy, batch_size=4, group_size=4, buffer=None, hist
     )
 
 
-def is_informative(group):
-    return not zv.is_zero_variance(group.rewards)
+def informative(table):
+    """bool [P]: no tie in the (unshaped) rewards of each group."""
+    return np.array([not zv.is_zero_variance(g["rewards"]) for g in group_list(table)], bool)
 
 
 def test_resample_fills_with_informative_groups_only():
@@ -357,7 +391,7 @@ def test_resample_fills_with_informative_groups_only():
     policy = QuantilePolicy()
     out = fill([0.5, 0.0, 1.0, 0.0], policy=policy, batch_size=2, mode="resample")
     assert [len(c) for c in policy.calls] == [2, 2, 4]
-    assert len(out.groups) == 2 and all(is_informative(g) for g in out.groups)
+    assert out.batch.num_groups == 2 and informative(out.batch).all()
     m = out.metrics
     assert m["zve/zero_advantage_rollout_fraction"] == 0.0  # exactly 0 in resample mode
     assert m["zve/optimizer_zvp_rate"] == 0.0
@@ -372,21 +406,168 @@ def test_resample_carries_leftovers_over():
     policy = QuantilePolicy()
     kw = dict(policy=policy, batch_size=2, mode="resample", oversample=4.0, max_carry_over_steps=1)
     first = fill([0.5, 0.5, 0.0, 1.0], **kw)
-    assert len(first.groups) == 2 and len(first.buffer.groups) == 2
-    assert first.buffer.ages == (0, 0)
+    assert first.batch.num_groups == 2 and first.buffer.num_groups == 2
+    # Buffer ages are the ages the groups will have in the next batch: sampled one step before.
+    assert first.buffer.ages.tolist() == [1, 1]
     assert first.metrics["zve/carried_out"] == 2.0
-    # The next step is served from the buffer without generating.
-    state = first.buffer.state_dict()
-    buffer = zv.ResampleBuffer.from_state_dict(state)
+    # The next step is served from the (checkpointed) buffer without generating.
+    state = json.loads(json.dumps(checkpoint.arrays_to_json(first.buffer.state_dict())))
+    buffer = zv.Groups.from_state_dict(checkpoint.arrays_from_json(state))
     second = fill([0.5], buffer=buffer, **kw)
     assert len(policy.calls) == 1
-    assert [g.prompt_id for g in second.groups] == [g.prompt_id for g in first.buffer.groups]
+    assert second.batch.prompt_ids == first.buffer.prompt_ids
     # Carried groups are marked: sampled one optimiser step before the batch that uses them
-    # (their payload holds that policy's log-probs and router trace).
-    assert [g.age for g in first.groups] == [0, 0] and [g.age for g in second.groups] == [1, 1]
+    # (their rows hold that policy's tokens, log-probs and router trace).
+    assert first.batch.ages.tolist() == [0, 0] and second.batch.ages.tolist() == [1, 1]
     assert second.metrics["zve/carried_in"] == 2.0 and "zve/rollout_zvp_rate" not in second.metrics
     third = fill([0.5], buffer=second.buffer, **kw)
     assert len(policy.calls) == 2 and third.metrics["zve/carried_in"] == 0.0
+
+
+def test_resample_carry_over_returns_the_generated_rows():
+    # Hand trace, G = 4, stream q0 .5, q1 0, q2 .25, q3 1 (q0 and q2 informative); row payload
+    # "tokens" = the serial number of each generated row. Step 1 (B = 3, oversample 2.5) draws
+    # 8 -> rows 0.. 31; informative q0 [0-3], q2 [8-11], q0 [16-19] fill it, q2 [24-27] is
+    # left over. Step 2 (B = 3): q2 [24-27] from the buffer (age 1), then 5 drawn -> q0
+    # [32-35], q1, q2 [40-43], q3, q0 [48-51]: q0 and q2 fill it, q0 [48-51] is left over.
+    # Wrong answers: rows of the first groups of the call (tokens gathered by position in the
+    # batch, not by group), ids not renumbered (0, 2, 0), the buffer's rows lost on the round trip.
+    policy, prompts = QuantilePolicy(), stream([0.5, 0.0, 0.25, 1.0])
+    kw = dict(policy=policy, batch_size=3, mode="resample", oversample=2.5, max_carry_over_steps=2)
+    first = fill(prompts, **kw)
+    state = json.loads(json.dumps(checkpoint.arrays_to_json(first.buffer.state_dict())))
+    second = fill(prompts, buffer=zv.Groups.from_state_dict(checkpoint.arrays_from_json(state)),
+                  **kw)  # fmt: skip
+    assert [len(c) for c in policy.calls] == [8, 5]
+    serials = lambda *starts: [list(range(s, s + 4)) for s in starts]
+    tokens_of = lambda table: [g["tokens"] and [row[0] for row in g["tokens"]]
+                               for g in group_list(table)]  # fmt: skip
+    assert tokens_of(first.batch) == serials(0, 8, 16) and tokens_of(first.buffer) == serials(24)
+    assert tokens_of(second.batch) == serials(24, 32, 40)
+    assert tokens_of(second.buffer) == serials(48)
+    np.testing.assert_array_equal(second.batch.group_ids, np.repeat([0, 1, 2], 4))
+    assert second.batch.ages.tolist() == [1, 0, 0] and second.buffer.ages.tolist() == [1]
+    # Every batch group is exactly the generated group its rows came from (prompt, rewards).
+    made = {tuple(g["tokens"][0]): g for t in policy.made for g in group_list(t)}
+    for g in group_list(second.batch):
+        assert dict(g, age=0) == made[tuple(g["tokens"][0])]
+    ids = [zv.prompt_id(p) for p in make_prompts([0.5, 0.0, 0.25])]
+    assert second.batch.prompt_ids == (ids[2], ids[0], ids[2])
+
+
+def test_groups_state_dict_round_trip_is_exact():
+    # Through the checkpoint's JSON: dtypes, shapes, NaN in a failed row, 4-d payload (a router
+    # trace), per-group fields; an empty table (zero-size arrays) too.
+    table = zv.Groups.of(
+        prompt_ids=["a", "b"], rewards=[[1.0, np.nan], [0.5]], raw_rewards=[[1.0, 0.0], [1.0]],
+        valid=[[True, False], [True]], verifiable=[True, False], ages=[2, 0],
+        rows={"expert_ids": [np.arange(16, dtype=np.int32).reshape(2, 2, 2, 2),
+                             -np.ones((1, 2, 2, 2), np.int32)],
+              "sampler_logps": [np.full((2, 3), -0.1, np.float32), np.zeros((1, 3), np.float32)]},
+    )  # fmt: skip
+    for t in (table, zv.Groups.empty(), table.take([])):
+        state = json.loads(json.dumps(checkpoint.arrays_to_json(t.state_dict())))
+        back = zv.Groups.from_state_dict(checkpoint.arrays_from_json(state))
+        chex.assert_trees_all_equal(back.state_dict(), t.state_dict())  # NaN == NaN here
+        dtype = lambda x: getattr(x, "dtype", type(x))
+        assert jax.tree.map(dtype, back.state_dict()) == jax.tree.map(dtype, t.state_dict())
+    assert back.num_groups == 0 and back.rows["expert_ids"].shape == (0, 2, 2, 2)  # names kept
+
+
+def test_groups_take_concat_and_validation():
+    table = zv.Groups.of(prompt_ids=["a", "b", "c"], rewards=[[1.0], [2.0, 3.0], [4.0]],
+                         rows={"x": [[10], [20, 30], [40]]})  # fmt: skip
+    picked = table.take([2, 1])
+    assert picked.prompt_ids == ("c", "b") and picked.rewards.tolist() == [4.0, 2.0, 3.0]
+    assert picked.group_ids.tolist() == [0, 1, 1] and picked.rows["x"].tolist() == [40, 20, 30]
+    both = zv.Groups.concat([picked, zv.Groups.empty(), table.take([0])])
+    assert both.group_ids.tolist() == [0, 1, 1, 2] and both.rows["x"].tolist() == [40, 20, 30, 10]
+    with pytest.raises(ValueError, match="different payload rows"):
+        zv.Groups.concat([table, dataclasses.replace(table, rows={})])
+    with pytest.raises(ValueError, match="non-decreasing, every group with >= 1 row"):
+        zv.Groups(prompt_ids=("a", "b"), group_ids=np.array([1, 0]), rewards=np.zeros(2))
+    with pytest.raises(ValueError, match="non-decreasing, every group with >= 1 row"):
+        zv.Groups(prompt_ids=("a", "b"), group_ids=np.array([0, 0]), rewards=np.zeros(2))
+    with pytest.raises(ValueError, match=r"Groups.valid has shape \(1,\); need \(2,\)"):
+        zv.Groups(prompt_ids=("a",), group_ids=np.zeros(2), rewards=np.zeros(2), valid=[True])
+    with pytest.raises(ValueError, match="not row-aligned"):
+        dataclasses.replace(table, rows={"x": np.zeros((3, 2))})
+
+
+def reference_fill(prompts, policy, *, batch_size, group_size, config, buffer, counts):
+    """The per-group loop fill_batch was before it worked on tables, on `group_list` dicts.
+    `buffer`: [(group, steps waited)]; `counts`: a plain PassRateHistory.counts, decay 0.5."""
+    limit = config.max_carry_over_steps
+    fresh = [(g, a) for g, a in buffer if a < limit]
+    batch = [dict(g, age=a + 1) for g, a in fresh[:batch_size]]
+    waiting = fresh[batch_size:]
+    leftovers, generated = [], []
+    useful = lambda g: not zv.is_zero_variance(np.array(g["rewards"]), atol=config.atol)
+    resample = config.mode == "resample"
+    calls, exhausted = 0, False
+    max_calls = 1 + config.max_resample_rounds if resample else 1
+    while len(batch) < batch_size and calls < max_calls and not exhausted:
+        rate = sum(map(useful, generated)) / len(generated) if generated else 1.0
+        factor = min(config.max_oversample, max(config.oversample, 1 / max(rate, 1e-9)))
+        n = math.ceil((batch_size - len(batch)) * (factor if resample else 1.0))
+        drawn = list(itertools.islice(prompts, n))
+        exhausted = len(drawn) < n
+        if not drawn:
+            break
+        calls += 1
+        for g in group_list(policy.generate(drawn, [group_size] * len(drawn))):
+            generated.append(g)
+            if config.mode == "rl_zvp" or useful(g):
+                (batch if len(batch) < batch_size else leftovers).append(g)
+    for g in generated:
+        c = counts.setdefault(g["prompt_id"], [0.0, 0.0])
+        passes = sum(r > 0 for r in g["rewards"])
+        c[:] = [0.5 * c[0] + passes, 0.5 * c[1] + len(g["rewards"]) - passes]
+    aged = [(g, a + 1) for g, a in waiting] + [(g, 0) for g in leftovers]
+    carried = [(g, a) for g, a in aged if a < limit]
+    metrics = {
+        "zve/generate_calls": calls, "zve/carried_in": len(fresh[:batch_size]),
+        "zve/carried_out": len(carried), "zve/groups_generated": len(generated),
+        "zve/buffer_dropped": len(buffer) - len(fresh) + len(aged) - len(carried),
+    }  # fmt: skip
+    return batch, carried, metrics
+
+
+@pytest.mark.parametrize("mode", ["resample", "rl_zvp", "drop"])
+@pytest.mark.parametrize("limit", [0, 1, 2])
+def test_fill_batch_equals_the_per_group_loop(mode, limit):
+    # Five steps over a random stream, the buffer carried from step to step: batch and buffer
+    # (prompts, rewards, row payload, ages), counters and the history equal the plain loop's.
+    rng = np.random.default_rng(limit)
+    rates = rng.choice([0.0, 0.25, 0.5, 1.0], size=11, p=[0.2, 0.3, 0.3, 0.2]).tolist()
+    config = zv.ZveConfig(mode=mode, max_carry_over_steps=limit, oversample=2.5,
+                          max_resample_rounds=2)  # fmt: skip
+    ours, theirs = QuantilePolicy(), QuantilePolicy()
+    ours_prompts, their_prompts = stream(rates), stream(rates)
+    history, counts = zv.PassRateHistory(decay=0.5), {}
+    buffer, ref_buffer, carried_in = None, [], 0.0
+    for step in range(5):
+        batch_size = int(rng.integers(1, 5))
+        out = zv.fill_batch(
+            prompts=ours_prompts,
+            generate=ours.generate,
+            batch_size=batch_size,
+            group_size=4,
+            config=config,
+            buffer=buffer,
+            history=history,
+        )
+        batch, ref_buffer, metrics = reference_fill(
+            their_prompts, theirs, batch_size=batch_size, group_size=4, config=config,
+            buffer=ref_buffer, counts=counts,
+        )  # fmt: skip
+        assert group_list(out.batch) == batch, step
+        # The table's buffer ages are the ages in the next batch: steps waited + 1.
+        assert group_list(out.buffer) == [dict(g, age=a + 1) for g, a in ref_buffer], step
+        assert {k: out.metrics[k] for k in metrics} == metrics, step
+        assert history.counts == counts, step
+        buffer, carried_in = out.buffer, carried_in + out.metrics["zve/carried_in"]
+    assert (carried_in > 0) == (mode == "resample" and limit > 0)  # the buffer was exercised
 
 
 def test_leftovers_expire_after_max_carry_over_steps():
@@ -394,21 +575,21 @@ def test_leftovers_expire_after_max_carry_over_steps():
     kw = dict(policy=policy, batch_size=1, mode="resample", oversample=4.0)
     first = fill([0.5], max_carry_over_steps=1, **kw)  # 4 informative: 1 used, 3 buffered
     second = fill([0.5], buffer=first.buffer, max_carry_over_steps=1, **kw)
-    assert len(second.groups) == 1 and len(policy.calls) == 1
-    assert second.buffer.groups == () and second.metrics["zve/buffer_dropped"] == 2.0
+    assert second.batch.num_groups == 1 and len(policy.calls) == 1
+    assert second.buffer.num_groups == 0 and second.metrics["zve/buffer_dropped"] == 2.0
     off = fill([0.5], max_carry_over_steps=0, **kw)
-    assert off.buffer.groups == () and off.metrics["zve/buffer_dropped"] == 3.0
+    assert off.buffer.num_groups == 0 and off.metrics["zve/buffer_dropped"] == 3.0
     # issue 7 #8: off by default, as in DAPO (no stale groups unless asked for).
     assert zv.ZveConfig().max_carry_over_steps == 0
     default = fill([0.5], **kw)
-    assert default.buffer.groups == () and default.metrics["zve/carried_out"] == 0.0
+    assert default.buffer.num_groups == 0 and default.metrics["zve/carried_out"] == 0.0
 
 
 def test_resample_stops_after_its_bound():
     policy = QuantilePolicy()
     out = fill([0.0, 1.0], policy=policy, mode="resample", max_resample_rounds=2)
     assert len(policy.calls) == 3  # the first call + 2 extra rounds, never more
-    assert out.groups == [] and out.metrics["zve/batch_fill_fraction"] == 0.0
+    assert out.batch.num_groups == 0 and out.metrics["zve/batch_fill_fraction"] == 0.0
     assert "zve/zero_advantage_rollout_fraction" not in out.metrics  # empty batch: no ratio
     assert "zve/rollouts_per_informative_group" not in out.metrics
     # Partially filled: returned short, never padded with zero-variance groups.
@@ -416,7 +597,7 @@ def test_resample_stops_after_its_bound():
     rates = [0.5] + [0.0] * 7
     short = fill(rates, policy=policy, mode="resample", max_resample_rounds=2, max_oversample=1.0)
     assert [len(c) for c in policy.calls] == [4, 3, 3]
-    assert len(short.groups) == 2 and all(is_informative(g) for g in short.groups)
+    assert short.batch.num_groups == 2 and informative(short.batch).all()
     assert short.metrics["zve/batch_fill_fraction"] == 0.5
     assert short.metrics["zve/zero_advantage_rollout_fraction"] == 0.0
 
@@ -424,7 +605,7 @@ def test_resample_stops_after_its_bound():
 def test_resample_stops_when_prompts_run_out():
     policy = QuantilePolicy()
     out = fill(iter(make_prompts([0.5, 0.5, 0.5])), policy=policy, batch_size=5, mode="resample")
-    assert len(policy.calls) == 1 and len(out.groups) == 3
+    assert len(policy.calls) == 1 and out.batch.num_groups == 3
     assert out.metrics["zve/prompts_exhausted"] == 1.0
 
 
@@ -432,7 +613,7 @@ def test_rl_zvp_keeps_and_drop_drops_zero_variance_groups():
     rates = [0.5, 0.0, 1.0, 0.5]
     policy, history = QuantilePolicy(), zv.PassRateHistory()
     kept = fill(rates, policy=policy, mode="rl_zvp", history=history)
-    assert len(policy.calls) == 1 and len(kept.groups) == 4
+    assert len(policy.calls) == 1 and kept.batch.num_groups == 4
     assert kept.metrics["zve/optimizer_zvp_rate"] == 0.5
     assert kept.metrics["zve/zero_advantage_rollout_fraction"] == 0.5  # GRPO-zero; RL-ZVP shapes
     ids = [zv.prompt_id(p) for p in make_prompts(rates)]
@@ -440,8 +621,8 @@ def test_rl_zvp_keeps_and_drop_drops_zero_variance_groups():
     np.testing.assert_allclose(history.pass_rates(ids), [2.5 / 5, 0.5 / 5, 4.5 / 5, 2.5 / 5])
     policy = QuantilePolicy()
     dropped = fill(rates, policy=policy, mode="drop")
-    assert len(policy.calls) == 1 and len(dropped.groups) == 2
-    assert all(is_informative(g) for g in dropped.groups)
+    assert len(policy.calls) == 1 and dropped.batch.num_groups == 2
+    assert informative(dropped.batch).all()
     assert dropped.metrics["zve/batch_fill_fraction"] == 0.5
     assert dropped.metrics["zve/rollout_zvp_rate"] == 0.5
 
@@ -456,14 +637,14 @@ def test_adaptive_group_sizes_reach_generate():
         group_size=lambda ps: config.group_sizes([p["p"] for p in ps]),
     )
     assert policy.calls == [[4, 16, 16, 4]]
-    assert [g.group_size for g in out.groups] == [4, 16, 16, 4]
+    assert out.batch.group_sizes.tolist() == [4, 16, 16, 4]
     assert out.metrics["zve/zero_advantage_rollout_fraction"] == 32 / 40
 
 
 def buffered_group():
     """An informative group waiting in the resample buffer (sampled at the previous step)."""
-    group = zv.Group(prompt_id="buffered", rewards=np.array([1.0, 0.0, 1.0, 0.0], np.float32))
-    return zv.ResampleBuffer(groups=(group,), ages=(0,))
+    return zv.Groups.of(prompt_ids=["buffered"], rewards=[[1.0, 0.0, 1.0, 0.0]], ages=[1],
+                        rows={"tokens": [-np.ones((4, 3), np.int64)]})  # fmt: skip
 
 
 def test_history_gets_the_generated_groups_in_drop_mode():
@@ -474,7 +655,7 @@ def test_history_gets_the_generated_groups_in_drop_mode():
     history, ids = zv.PassRateHistory(), [zv.prompt_id(p) for p in make_prompts([0.0, 0.5])]
     out = fill([0.0, 0.5], policy=QuantilePolicy(), batch_size=2, mode="drop",
                buffer=buffered_group(), history=history, max_carry_over_steps=1)  # fmt: skip
-    assert [g.prompt_id for g in out.groups] == ["buffered"]
+    assert out.batch.prompt_ids == ("buffered",)
     assert history.counts == {ids[0]: [0.0, 4.0]}
 
 
@@ -488,16 +669,17 @@ def test_history_gets_the_generated_groups_in_resample_mode():
     out = fill([0.0, 0.5], policy=policy, batch_size=2, mode="resample",
                buffer=buffered_group(), history=history, max_carry_over_steps=1)  # fmt: skip
     assert [len(c) for c in policy.calls] == [1, 4]
-    assert [g.prompt_id for g in out.groups] == ["buffered", ids[1]]
+    assert out.batch.prompt_ids == ("buffered", ids[1])
     assert history.counts == {ids[0]: [0.0, 12.0], ids[1]: [4.0, 4.0]}
-    assert len(out.buffer.groups) == 1 and out.metrics["zve/carried_in"] == 1.0
+    assert out.buffer.num_groups == 1 and out.metrics["zve/carried_in"] == 1.0
 
 
 def verifier_tie_broken_by_shaping(prompts, sizes):
     raw = np.zeros(4, np.float32)  # every group is all-wrong on the verifier...
     shaped = raw - np.array([0.0, 0.1, 0.0, 0.2], np.float32)  # ... ties broken by shaping
-    return [zv.Group(prompt_id=str(i), rewards=shaped, raw_rewards=raw) for i, _ in
-            enumerate(prompts)]  # fmt: skip
+    n = len(prompts)
+    return zv.Groups.of(prompt_ids=[str(i) for i in range(n)], rewards=[shaped] * n,
+                        raw_rewards=[raw] * n)  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["resample", "drop", "rl_zvp"])
@@ -512,9 +694,9 @@ def test_shaping_never_makes_a_group_informative(mode):
     assert m["zve/rollout_zvp_rate"] == 1.0 and m["zve/post_shaping_zvp_rate"] == 0.0
     assert m["zve/informative_groups_generated"] == 0.0
     if mode == "rl_zvp":
-        assert len(out.groups) == 2 and m["zve/optimizer_zvp_rate"] == 1.0
+        assert out.batch.num_groups == 2 and m["zve/optimizer_zvp_rate"] == 1.0
     else:
-        assert out.groups == []
+        assert out.batch.num_groups == 0
 
 
 def test_failed_samples_are_not_answers_in_fill_batch():
@@ -529,44 +711,40 @@ def test_failed_samples_are_not_answers_in_fill_batch():
     ]
 
     def generate(prompts, sizes):
-        return [zv.Group(prompt_id=p["question"], rewards=np.array(r, np.float32),
-                         valid=np.array(v, bool)) for p, (r, v) in
-                zip(prompts, groups, strict=True)]  # fmt: skip
+        return zv.Groups.of(
+            prompt_ids=[p["question"] for p in prompts],
+            rewards=[r for r, _ in groups],
+            valid=[v for _, v in groups],
+        )
 
     history = zv.PassRateHistory()
     out = zv.fill_batch(prompts=iter(make_prompts([0.5] * 3)), generate=generate, batch_size=3,
                         group_size=4, config=zv.ZveConfig(mode="drop"),
                         history=history)  # fmt: skip
-    assert [g.prompt_id for g in out.groups] == ["q1"]
+    assert out.batch.prompt_ids == ("q1",)
     m = out.metrics
     assert m["zve/invalid_samples"] == 5.0 and m["zve/no_signal_groups"] == 1.0
     assert m["zve/informative_groups_generated"] == 1.0
     assert history.counts == {"q0": [3.0, 0.0], "q1": [1.0, 2.0], "q2": [1.0, 0.0]}
 
 
-def test_shaping_stage_is_measured_and_bare_rewards_accepted():
+def test_shaping_stage_is_measured_and_generate_is_checked():
     def generate(prompts, sizes):
         raw = np.zeros(4, np.float32)  # every group is all-wrong before shaping...
         shaped = raw - np.array([0.0, 0.1, 0.0, 0.2])  # ... and broken ties after it
-        return [zv.Group(prompt_id="x", rewards=shaped, raw_rewards=raw) for _ in prompts]
+        n = len(prompts)
+        return zv.Groups.of(prompt_ids=["x"] * n, rewards=[shaped] * n, raw_rewards=[raw] * n)
 
     out = zv.fill_batch(
         prompts=stream([0.5]), generate=generate, batch_size=2, group_size=4, config=zv.ZveConfig()
     )
     assert out.metrics["zve/rollout_zvp_rate"] == 1.0
     assert out.metrics["zve/post_shaping_zvp_rate"] == 0.0
-    bare = zv.fill_batch(
-        prompts=stream([0.5]),
-        generate=lambda ps, sizes: [np.array([1.0, 0.0]) for _ in ps],
-        batch_size=2,
-        group_size=2,
-        config=zv.ZveConfig(),
-    )
-    assert bare.groups[0].prompt_id == zv.prompt_id(make_prompts([0.5])[0])
-    with pytest.raises(ValueError, match="2 rewards for G=4"):
+    pair = lambda n: zv.Groups.of(prompt_ids=["x"] * n, rewards=[[1.0, 0.0]] * n)
+    with pytest.raises(ValueError, match=r"group sizes \[2 2\] for G=\[4 4\]"):
         zv.fill_batch(
             prompts=stream([0.5]),
-            generate=lambda ps, sizes: [np.array([1.0, 0.0]) for _ in ps],
+            generate=lambda ps, sizes: pair(len(ps)),
             batch_size=2,
             group_size=4,
             config=zv.ZveConfig(),
@@ -574,7 +752,7 @@ def test_shaping_stage_is_measured_and_bare_rewards_accepted():
     with pytest.raises(ValueError, match="1 groups for 2 prompts"):
         zv.fill_batch(
             prompts=stream([0.5]),
-            generate=lambda ps, sizes: [np.array([1.0, 0.0])],
+            generate=lambda ps, sizes: pair(1),
             batch_size=2,
             group_size=2,
             config=zv.ZveConfig(),
