@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
@@ -92,6 +93,32 @@ def check_finite(step: int, metrics: Mapping[str, Any], keys: Iterable[str] | No
 
 
 _PHASE_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # jax._src.dispatch
+_lowerings = [0]  # process-wide: lowerings seen by the listener below
+_listening = [False]
+
+
+def _count_lowering(event: str, duration_s: float, **kwargs) -> None:
+    if event == _LOWERING_EVENT:
+        _lowerings[0] += 1
+
+
+class CompileCounter:
+    """Counts XLA compilations (each lowering of a jitted function to MLIR: a cache miss of
+    `jax.jit`, also when the persistent compilation cache then supplies the executable), through
+    `jax.monitoring`'s event listener. `take()` returns the count since the last `take()`."""
+
+    def __init__(self) -> None:
+        if not _listening[0]:
+            jax.monitoring.register_event_duration_secs_listener(_count_lowering)
+            _listening[0] = True
+        self._seen = _lowerings[0]
+
+    def take(self) -> int:
+        new, self._seen = _lowerings[0] - self._seen, _lowerings[0]
+        return new
 
 
 class PhaseTimer:

@@ -144,8 +144,9 @@ def old_logps(
     **forward_options,
 ) -> TokenLogps:
     """pi_old's log-probs and entropies: `token_logps` with the rollout's experts replayed
-    (`RoutingMode.REPLAY_IDS`) and no gradient. A carried-over resample group (Group.age > 0)
-    must keep the log-probs of the policy that sampled it instead (see espo.zero_variance)."""
+    (`RoutingMode.REPLAY_IDS`) and no gradient. For a carried-over resample group (age > 0,
+    see espo.zero_variance) this is the current policy replaying an older trace: only
+    `train.old_logps="sampler"` takes the ratio against the policy that sampled it."""
     return token_logps(
         model_cfg,
         jax.lax.stop_gradient(params),

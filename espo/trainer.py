@@ -215,6 +215,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     if latest is not None:
         abstract = jax.eval_shape(make_state, params)
         state, saved = ckpt.restore(latest, abstract_state=abstract)
+        state = jax.device_put(state, rep)  # where `update` returns it: no recompiles later
         checkpoint.check_model_config(saved["model_config"], _model_dict(model_cfg))
         host.load(saved)
         start_step = latest
@@ -224,7 +225,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
             params = _warm_start(
                 s, model_cfg, params, train_src, tok, encode, Tp, curr, progress=progress
             )
-        state = make_state(params)
+        state = jax.device_put(make_state(params), rep)  # where `update` returns it
         host.start_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
         start_step = 0
         ckpt.save(0, state=state, host=host.state_dict(model_cfg), force=True)
@@ -242,7 +243,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
         timeout_s=s.rollout.reward_timeout_s,
         detokenize=tok.decode,
     )
-    timer = metrics.PhaseTimer()
+    timer, compiles = metrics.PhaseTimer(), metrics.CompileCounter()
     final_eval = host.start_eval
     try:
         for step in range(start_step, s.train.steps):
@@ -316,6 +317,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
                     ckpt.save(done, state=state, host=host.state_dict(model_cfg), force=True)
             out.update(timer.metrics())
             out["perf/step_s"] = time.perf_counter() - t0
+            out["perf/compiles"] = float(compiles.take())  # 0 after the first step
             out["perf/tokens_per_s"] = out.get("train/generated_tokens", 0.0) / out["perf/step_s"]
             log.write(done, out)
     finally:

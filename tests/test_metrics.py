@@ -5,6 +5,7 @@ import math
 import struct
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -217,3 +218,14 @@ def test_phase_timer_accumulates_per_phase():
         pass
     timer.reset()
     assert timer.metrics() == {}
+
+
+def test_compile_counter_counts_jit_cache_misses():
+    counter = metrics.CompileCounter()
+    f = jax.jit(lambda x: x * 3 + 1)
+    f(jnp.ones(3))
+    assert counter.take() == 1
+    f(jnp.ones(3) * 2)  # same shape: a cache hit
+    assert counter.take() == 0
+    f(jnp.ones(5))  # new shape: compiles again
+    assert counter.take() == 1

@@ -84,6 +84,8 @@ def test_tiny_run_writes_what_a_user_sees(straight):
         assert all(key in r for r in rows[1:]), key
     assert rows[1]["curriculum/stage"] == 0 and rows[3]["curriculum/stage"] == 1  # advanced
     assert rows[1]["mismatch/unrecorded_routes"] == 0
+    # Fixed shapes: everything compiles in step 1 (and the start eval), nothing after it.
+    assert rows[1]["perf/compiles"] > 0 and [r["perf/compiles"] for r in rows[2:]] == [0, 0]
     saved = json.loads((workdir / "summary.json").read_text())
     assert saved["steps"] == 3 and saved["start"].items() <= rows[0].items()
     assert (
