@@ -221,11 +221,12 @@ def test_phase_timer_accumulates_per_phase():
 
 
 def test_compile_counter_counts_jit_cache_misses():
-    counter = metrics.CompileCounter()
+    a, b, c = jnp.ones(3), jnp.full(3, 2.0), jnp.ones(5)  # built before counting
     f = jax.jit(lambda x: x * 3 + 1)
-    f(jnp.ones(3))
+    counter = metrics.CompileCounter()
+    f(a)
     assert counter.take() == 1
-    f(jnp.ones(3) * 2)  # same shape: a cache hit
+    f(b)  # same shape: a cache hit
     assert counter.take() == 0
-    f(jnp.ones(5))  # new shape: compiles again
+    f(c)  # new shape: compiles again
     assert counter.take() == 1
