@@ -221,7 +221,7 @@ def test_phase_timer_accumulates_per_phase():
 
 
 def test_compile_counter_counts_jit_cache_misses():
-    a, b, c = jnp.ones(3), jnp.full(3, 2.0), jnp.ones(5)  # built before counting
+    a, b, c = np.ones(3, np.float32), np.full(3, 2.0, np.float32), np.ones(5, np.float32)
     f = jax.jit(lambda x: x * 3 + 1)
     counter = metrics.CompileCounter()
     f(a)
