@@ -5,6 +5,7 @@ one-token bug would give, so a failure says which bug came back.
 """
 
 import functools
+import re
 
 import chex
 import hypothesis
@@ -471,3 +472,246 @@ def test_dense_equals_flat():
     chex.assert_shape(dense.advantages, (5, 4, 3))
     np.testing.assert_allclose(dense.advantages.reshape(20, 3), out.advantages, **TOL)
     np.testing.assert_array_equal(dense.zvp_sign.reshape(20), out.zvp_sign)
+
+
+# ---------------------------------------------------------------- mutation audit (issue 13)
+# Each test below kills mutants that survived `mutmut` on espo/advantages.py (see
+# notes/mutmut.md); the mutated line is named in the comment.
+
+
+def test_low_precision_inputs_are_computed_in_float32():
+    # bfloat16 inputs are cast to float32 before any arithmetic (`jnp.asarray(x, jnp.float32)`).
+    # R = [1, 2^-8, 0, 0] is exact in bf16, but a bf16 segment sum rounds 1 + 2^-8 to 1:
+    # mean 257/1024, deviations [767, -253, -257, -257] / 1024, var = 784396 / 1024^2 / 3,
+    # std 0.499354 -> A = [1.499987, -0.494781, -0.502603, -0.502603] (float64 reference below).
+    r = np.array([1.0, 2.0**-8, 0.0, 0.0])
+    want = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(want, [1.499987, -0.494781, -0.502603, -0.502603], atol=1e-6)
+    got = advantages.normalize(
+        jnp.asarray(r, jnp.bfloat16), group_ids=jnp.zeros(4, jnp.int32), num_groups=1
+    )
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # zero_variance_mask compares in float32: spread 0.30078125 (exact in bf16) > atol 0.3, but
+    # 0.3 rounds to 0.30078125 in bf16, where the comparison would say "zero-variance".
+    spread = jnp.asarray([[0.0, 0.30078125], [0.5, 0.5]], jnp.bfloat16)
+    np.testing.assert_array_equal(advantages.zero_variance_mask(spread, atol=0.3), [False, True])
+    # rl_zvp_tokens: alpha H in float32 (bf16 would give 0.1 * 0.5 = 0.050049).
+    h = jnp.asarray([[0.5, 1.0, 2.0]], jnp.bfloat16)
+    tok = advantages.rl_zvp_tokens(
+        jnp.array([1]), entropies=h, mask=jnp.ones((1, 3), bool), alpha=0.1
+    )
+    assert tok.dtype == jnp.float32
+    np.testing.assert_allclose(tok, [[0.05, 0.1, 0.2]], rtol=1e-6)
+
+
+def test_normalize_validity_pairs_and_lone_rows_with_eps_zero():
+    # eps = 0: group 0 = rows 0, 1 (row 2 invalid, its 5.0 ignored): [1, 0] -> +-0.5 / sqrt(0.5)
+    # = +-0.707107; group 1 = [2, 0], exactly two valid rows: +-0.707107 (a "count > 2" bug
+    # gives 0); group 2 = one valid row: 0 (letting it through gives 0 / (0 + 0) = NaN).
+    # Ignoring `valid` would normalise [1, 0, 5] instead.
+    out = advantages.normalize(
+        jnp.array([1.0, 0.0, 5.0, 2.0, 0.0, 7.0]),
+        group_ids=jnp.array([0, 0, 0, 1, 1, 2]),
+        num_groups=3,
+        valid=jnp.array([1, 1, 0, 1, 1, 1], bool),
+        eps=0.0,
+    )
+    s = 0.5 / np.sqrt(0.5)
+    np.testing.assert_allclose(out, [s, -s, 0.0, s, -s, 0.0], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"^rewards must be flat \[N\], got shape \(2, 2\)$"):
+        advantages.normalize(jnp.ones((2, 2)), group_ids=jnp.zeros(4, jnp.int32), num_groups=1)
+
+
+def test_group_normalized_passes_eps_and_checks_rank():
+    # R = [1, 0, 0, 1], std 0.577350, eps 0.5: A = +-0.5 / 1.077350 = +-0.464102.
+    adv = advantages.group_normalized(jnp.array([[1.0, 0.0, 0.0, 1.0]]), eps=0.5)
+    np.testing.assert_allclose(adv, [[0.464102, -0.464102, -0.464102, 0.464102]], atol=1e-6)
+
+
+def test_zero_variance_mask_default_atol_and_axes():
+    # Non-square [P=3, G=2]: spreads per prompt 0.5, 0, 0. Default atol 1e-6.
+    rewards = jnp.array([[0.0, 0.5], [2.0, 2.0], [3.0, 3.0]])
+    np.testing.assert_array_equal(advantages.zero_variance_mask(rewards), [False, True, True])
+    # [[0, 0], [1, 1]]: a max over prompts (axis 0) or a min over everything gives [F, T] / [T, F].
+    square = jnp.array([[0.0, 0.0], [1.0, 1.0]])
+    np.testing.assert_array_equal(advantages.zero_variance_mask(square), [True, True])
+
+
+@pytest.mark.parametrize(
+    ("fn", "arg", "message"),
+    [
+        (advantages.compute_dense, np.ones(4), r"rewards must be [P, G], got shape (4,)"),
+        (advantages.zero_variance_mask, np.ones(4), r"rewards must be [P, G], got shape (4,)"),
+        (advantages.group_normalized, np.ones(4), r"rewards must be [P, G], got shape (4,)"),
+    ],
+)
+def test_dense_rank_errors_say_what_they_got(fn, arg, message):
+    kw = {"cfg": CFG} if fn is advantages.compute_dense else {}
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        fn(arg, **kw)
+
+
+def test_compute_dense_with_mask_only_shaping_and_verifiable():
+    # Mask without entropies: per-row advantages broadcast over tokens, 0 on padding.
+    # Group 0: [1, 0] -> +-0.707106; group 1: [1, 1] zero-variance -> 0 (RL-ZVP needs entropies,
+    # so rl_zvp only sets zvp_sign here).
+    rewards = jnp.array([[1.0, 0.0], [1.0, 1.0]])
+    mask = jnp.array([[[1, 1, 0], [1, 0, 0]], [[1, 1, 1], [0, 1, 1]]], bool)
+    out = advantages.compute_dense(rewards, cfg=ZVP, mask=mask)
+    a = 0.5 / (np.sqrt(0.5) + 1e-6)
+    np.testing.assert_allclose(
+        out.advantages, [[[a, a, 0], [-a, 0, 0]], [[0, 0, 0], [0, 0, 0]]], atol=1e-6
+    )
+    np.testing.assert_array_equal(out.zvp_sign, [[0, 0], [1, 1]])
+    chex.assert_shape((out.sequence_advantages, out.zvp_sign), (2, 2))
+    with pytest.raises(ValueError, match="^entropies need a token mask"):
+        advantages.compute_dense(rewards, cfg=ZVP, entropies=jnp.ones((2, 2, 3)))
+    # Shaping [0, -0.1] in group 0 adds its centred value [+0.05, -0.05]; group 1 has an
+    # unverifiable member: no RL-ZVP sign, counted.
+    out = advantages.compute_dense(
+        rewards,
+        cfg=ZVP,
+        shaping=jnp.array([[0.0, -0.1], [0.0, 0.0]]),
+        verifiable=jnp.array([[1, 1], [1, 0]], bool),
+    )
+    np.testing.assert_allclose(out.advantages, [[a + 0.05, -a - 0.05], [0.0, 0.0]], atol=1e-6)
+    np.testing.assert_array_equal(out.zvp_sign, [[0, 0], [0, 0]])
+    assert float(out.metrics["adv/num_unverifiable_zero_variance_groups"]) == 1.0
+
+
+def test_rl_zvp_passes_every_option_to_the_config():
+    rewards, entropies, mask = zvp_inputs()
+    # Default alpha 0.1 (the values of test_rl_zvp_by_hand).
+    out = advantages.rl_zvp(rewards, entropies, mask)
+    np.testing.assert_allclose(out.advantages[0], [[0.05, 0.1, 0.2], [0.02, 0.04, 0.0]], **TOL)
+    # Dr.GRPO: prompt 2 [1, 0] gets +-0.5 (GRPO would give +-0.707106).
+    out = advantages.rl_zvp(rewards, entropies, mask, scale_by_std=False)
+    np.testing.assert_allclose(out.advantages[2], [[0.5] * 3, [-0.5, -0.5, 0.0]], **TOL)
+    # eps 0.5: +-0.5 / (0.707107 + 0.5) = +-0.414214.
+    out = advantages.rl_zvp(rewards, entropies, mask, eps=0.5)
+    b = 0.5 / (np.sqrt(0.5) + 0.5)
+    np.testing.assert_allclose(out.advantages[2], [[b] * 3, [-b, -b, 0.0]], **TOL)
+    # atol 0.3: prompt 2 = [1, 0.75] (spread 0.25) is zero-variance and correct: alpha H.
+    out = advantages.rl_zvp(rewards.at[2, 1].set(0.75), entropies, mask, atol=0.3)
+    np.testing.assert_array_equal(out.zero_variance_groups, [True, True, True])
+    np.testing.assert_allclose(out.advantages[2], out.advantages[0], **TOL)
+
+
+def test_rl_zvp_shape_errors_say_what_they_got():
+    rewards, entropies, mask = zvp_inputs()
+    # 2-D entropies with the [P, G] of the rewards: still not [P, G, T].
+    with pytest.raises(
+        ValueError,
+        match=r"^rewards must be \[P, G\] and entropies \[P, G, T\]; got \(3, 2\), \(3, 2\)$",
+    ):
+        advantages.rl_zvp(rewards, entropies[..., 0], mask[..., 0])
+    with pytest.raises(
+        ValueError, match=r"^mask must have the shape of entropies \(3, 2, 3\), got \(3, 2, 2\)$"
+    ):
+        advantages.rl_zvp(rewards, entropies, mask[..., :2])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "valid"),
+    [
+        ("estimator", "ppo", "one of ('grpo', 'dr_grpo')"),
+        ("eps", -1.0, "a float >= 0"),
+        ("eps", "1e-6", "a float >= 0"),
+        ("atol", -0.5, "a float >= 0"),
+        ("atol", True, "a float >= 0"),
+        ("rl_zvp", 1, "a bool"),
+        ("rl_zvp_alpha", -0.5, ">= 0"),
+        ("rl_zvp_alpha", "0.1", ">= 0"),
+        ("success_threshold", "0", "a float"),
+        ("success_threshold", None, "a float"),
+    ],
+)
+def test_config_error_messages_in_full(field, value, valid):
+    want = f"AdvantageConfig.{field}={value!r}; valid: {valid}"
+    with pytest.raises(ValueError, match="^" + re.escape(want) + "$"):
+        advantages.AdvantageConfig(**{field: value})
+
+
+def test_config_accepts_its_boundaries():
+    # atol = 0 (exact ties only) and rl_zvp_alpha = 0 (RL-ZVP off in effect) are valid, and so
+    # are ints where floats are expected; a negative success_threshold is valid (-1/+1 rewards).
+    cfg = advantages.AdvantageConfig(atol=0, eps=0, rl_zvp_alpha=0.0, success_threshold=-1)
+    assert (cfg.atol, cfg.eps, cfg.rl_zvp_alpha, cfg.success_threshold) == (0, 0, 0.0, -1)
+
+
+def test_compute_casts_low_precision_rewards_to_float32():
+    # The same bf16 rewards as above through `compute` (rewards cast before the segment sums).
+    r = np.array([1.0, 2.0**-8, 0.0, 0.0])
+    want = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
+    out = advantages.compute(
+        jnp.asarray(r, jnp.bfloat16), group_ids=jnp.zeros(4, jnp.int32), num_groups=1, cfg=CFG
+    )  # not `flat`, which casts to float32 itself
+    assert out.advantages.dtype == jnp.float32
+    np.testing.assert_allclose(out.advantages, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rewards": np.ones((2, 2))}, "rewards must be flat [N], got shape (2, 2)"),
+        ({"group_ids": np.zeros(3, int)}, "group_ids must be [N]=(4,) like rewards, got (3,)"),
+        ({"valid": np.ones(5, bool)}, "valid must be [N]=(4,) like rewards, got (5,)"),
+        ({"shaping": np.zeros((4, 1))}, "shaping must be [N]=(4,) like rewards, got (4, 1)"),
+        ({"verifiable": np.ones(2, bool)}, "verifiable must be [N]=(4,) like rewards, got (2,)"),
+        ({"entropies": np.ones((4, 3))}, "entropies need a token mask [N, T]"),
+        ({"entropies": np.ones(4), "mask": np.ones(4, bool)},
+         "entropies must be [N, T] with N=4, got (4,)"),
+        ({"mask": np.ones(4, bool)}, "mask must be [N, T] with N=4, got (4,)"),
+        ({"mask": np.ones((3, 2), bool)}, "mask must be [N, T] with N=4, got (3, 2)"),
+        ({"entropies": np.ones((4, 3)), "mask": np.ones((4, 2), bool)},
+         "entropies (4, 3) and mask (4, 2) differ"),
+    ],
+)  # fmt: skip
+def test_compute_input_errors_in_full(kwargs, message):
+    args = dict(rewards=jnp.array([1.0, 0.0, 0.0, 1.0]), group_ids=jnp.zeros(4, jnp.int32))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        advantages.compute(args.pop("rewards"), num_groups=1, cfg=CFG, **args)
+
+
+def test_shaping_verifiable_and_threshold_inputs_of_compute():
+    # bf16 shaping is cast before the group mean: s = [1, 2^-8, 0, 0] (a bf16 sum would round
+    # 1 + 2^-8 to 1) on a zero-variance group: A = s - mean s, mean s = 257/1024.
+    s = np.array([1.0, 2.0**-8, 0.0, 0.0])
+    out = flat(np.zeros(4), [0] * 4, 1, shaping=jnp.asarray(s, jnp.bfloat16))
+    np.testing.assert_allclose(out.advantages, s - s.mean(), rtol=1e-6)
+    # `verifiable` as 0/1 floats reads as booleans; zvp_sign is int32.
+    ids, ent, mask = jnp.array([0, 0, 1, 1]), jnp.ones((4, 2)), jnp.ones((4, 2), bool)
+    out = flat(jnp.zeros(4), ids, 2, ZVP, verifiable=jnp.array([1.0, 1.0, 1.0, 0.0]),
+               entropies=ent, mask=mask)  # fmt: skip
+    np.testing.assert_array_equal(out.zvp_sign, [-1, -1, 0, 0])
+    assert out.zvp_sign.dtype == jnp.int32
+    # success_threshold 0.5: "correct" iff the group MEAN exceeds it. [0.4, 0.4]: mean 0.4 ->
+    # wrong (-1) (its sum 0.8 or sum * count 1.6 would say correct); [0.75, 0.75] -> correct.
+    cfg = advantages.AdvantageConfig(rl_zvp=True, success_threshold=0.5)
+    out = flat([0.4, 0.4, 0.75, 0.75], ids, 2, cfg)
+    np.testing.assert_array_equal(out.zvp_sign, [-1, -1, 1, 1])
+
+
+def test_float_group_ids_are_read_as_integers():
+    out = advantages.compute(
+        jnp.array([1.0, 0.0, 1.0, 1.0]), group_ids=np.array([0.0, 0.0, 1.0, 1.0]),
+        num_groups=2, cfg=CFG,
+    )  # fmt: skip
+    np.testing.assert_allclose(out.advantages, [0.707106, -0.707106, 0.0, 0.0], atol=1e-6)
+
+
+def test_float_valid_flags_and_a_group_holding_only_padding():
+    # `valid` as 0/1 floats reads as booleans: group 0 = [1, 0] (row 2 failed), group 1 = [1].
+    out = advantages.compute(
+        jnp.array([1.0, 0.0, 9.0, 1.0]), group_ids=jnp.array([0, 0, 0, 1]), num_groups=2,
+        cfg=CFG, valid=jnp.array([1.0, 1.0, 0.0, 1.0]),
+    )  # fmt: skip
+    np.testing.assert_allclose(out.advantages, [0.707106, -0.707106, 0.0, 0.0], atol=1e-6)
+    assert float(out.metrics["adv/num_invalid"]) == 1.0
+    # Group 0 holds no row of its own, only a padding row (id -1, clipped into group 0 for the
+    # segment ops): it is absent, neither counted nor "no signal".
+    out = flat([1.0, 0.0, 5.0], [1, 1, -1], 2)
+    np.testing.assert_array_equal(out.no_signal_groups, [False, False])
+    assert float(out.metrics["adv/num_groups"]) == 1.0
