@@ -1,5 +1,7 @@
 """Reward shaping: DAPO overlong penalty at its boundaries, repeated n-grams, the combination."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +200,107 @@ def test_shape_rewards_shape_errors():
 def test_config_errors_name_field_value_and_range(kwargs, message):
     with pytest.raises(ValueError, match=message):
         shaping.ShapingConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- mutation audit (issue 13)
+# Each test below kills mutants that survived `mutmut` on espo/rewards/shaping.py (see
+# notes/mutmut.md): boundaries of every validity check, defaults, dtypes, full messages.
+
+
+def test_smallest_valid_limits():
+    # max_length = 1 is valid (">= 1"); cache_length may equal max_length (band (0, L_max]) or
+    # be 0 (hard cut).
+    assert [shaping.overlong_penalty(n, max_length=1, cache_length=0) for n in (0, 1, 2)] == [
+        0.0,
+        0.0,
+        -1.0,
+    ]
+    # L_max = L_cache = 4: band (0, 4], steps of 1/4.
+    got = [shaping.overlong_penalty(n, max_length=4, cache_length=4) for n in range(6)]
+    assert got == [0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
+    np.testing.assert_array_equal(
+        shaping.overlong_penalties(np.arange(6), max_length=4, cache_length=4), got
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"max_length": 10, "cache_length": 2.0},
+            "cache_length=2.0 must be an int in [0, max_length=10]",
+        ),
+        (
+            {"max_length": 10, "cache_length": True},
+            "cache_length=True must be an int in [0, max_length=10]",
+        ),
+        ({"max_length": True, "cache_length": 0}, "max_length=True must be an int >= 1"),
+    ],
+)
+def test_length_limits_must_be_ints(kwargs, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        shaping.overlong_penalty(5, **kwargs)
+
+
+def test_negative_length_message():
+    with pytest.raises(ValueError, match=r"^length=-1 must be >= 0$"):
+        shaping.overlong_penalty(-1, max_length=10, cache_length=2)
+
+
+def test_hard_cut_is_float32_for_numpy_input():
+    got = shaping.overlong_penalties(np.array([10, 11]), max_length=10, cache_length=0)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, [0.0, -1.0])
+
+
+def test_ngram_defaults_and_argument_types():
+    # Default n = 4: "a b c d a b c d a" has 4-grams abcd bcda cdab dabc abcd bcda: 2 of 6 repeat
+    # (n = 5 would give 1 of 5).
+    text = "a b c d a b c d a"
+    assert shaping.repeated_ngram_ratio(text) == pytest.approx(2 / 6)
+    # repetition_penalty defaults: n = 4, weight 1, threshold 0.
+    assert shaping.repetition_penalty(text) == pytest.approx(-2 / 6)
+    for n in (2.0, True):
+        with pytest.raises(ValueError, match="^" + re.escape(f"n={n!r} must be an int >= 1") + "$"):
+            shaping.repeated_ngram_ratio(text, n=n)
+    # Token ids are compared as integers: 2^53 and 2^53 + 1 are distinct (as float64 they tie).
+    big = np.array([2**53, 2**53 + 1], np.int64)
+    assert shaping.repeated_ngram_ratio(big, n=1) == 0.0
+
+
+def test_config_boundaries_accepted_and_rejected():
+    # Accepted: the smallest ints, cache 0 and cache == max_length, threshold 1.
+    shaping.ShapingConfig(max_length=1, cache_length=1, ngram_size=1, repetition_threshold=1.0)
+    shaping.ShapingConfig(max_length=5, cache_length=0)
+    for kwargs, message in [
+        (
+            {"overlong_weight": float("inf")},
+            "ShapingConfig.overlong_weight=inf must be in [0, inf)",
+        ),
+        (
+            {"cache_length": 2.0},
+            "ShapingConfig.cache_length=2.0 must be an int in [0, max_length=20480]",
+        ),
+        (
+            {"cache_length": True},
+            "ShapingConfig.cache_length=True must be an int in [0, max_length=20480]",
+        ),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            shaping.ShapingConfig(**kwargs)
+
+
+def test_shape_rewards_passes_the_threshold_and_says_what_is_missing():
+    # threshold 0.5: "a b a b a b" (ratio 0.6 at n = 2) is penalised, "a b c a b" (bigrams ab bc
+    # ca ab: ratio 1/4) is not.
+    cfg = shaping.ShapingConfig(repetition_weight=1.0, ngram_size=2, repetition_threshold=0.5)
+    _, components = shaping.shape_rewards(
+        np.zeros(2), lengths=np.array([6, 5]), token_ids_or_texts=["a b a b a b", "a b c a b"],
+        cfg=cfg,
+    )  # fmt: skip
+    np.testing.assert_allclose(components["repetition"], [-0.6, 0.0], rtol=1e-6)
+    message = "token_ids_or_texts must hold B=2 responses when repetition_weight=1.0 > 0; got None"
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        shaping.shape_rewards(
+            np.zeros(2), lengths=np.ones(2, int), token_ids_or_texts=None, cfg=cfg
+        )
