@@ -263,3 +263,96 @@ def test_tree_layout_bytes_and_mismatch():
     agree = jnp.mean(jnp.argmax(ref.logits, -1) == jnp.argmax(got.logits, -1))
     assert float(agree) > 0.8
     assert float(jnp.mean(ref.router.expert_ids != got.router.expert_ids)) < 0.1
+
+
+# ---------------------------------------------------------------- mutation audit (issue 13)
+# Each test below kills mutants that survived `mutmut` on espo/quant.py (see notes/mutmut.md).
+
+
+def _hand_tree():
+    """A param tree by hand: a q_proj [D=16, H=2, Dh=8] f32, a norm [16] bf16, a router that is
+    a dict holding a matmul-named leaf (must stay unquantized), and a list of layers."""
+    rng = np.random.RandomState(0)
+    w = lambda *s: jnp.asarray(rng.randn(*s).astype(np.float32))
+    return {
+        "blocks": {
+            "attn": {"q_proj": w(16, 2, 8)},
+            "norm": jnp.ones(16, jnp.bfloat16),
+            "moe": {"router": {"gate_proj": w(16, 4)}},
+        },
+        "layers": [{"up_proj": w(16, 4)}],
+    }
+
+
+def test_quantize_fp8_by_path_and_tree_bytes_by_hand():
+    params = _hand_tree()
+    q = quant.quantize_fp8(params, keep_dtype="float32")
+    assert isinstance(q["blocks"]["attn"]["q_proj"], quant.Fp8Tensor)
+    assert isinstance(q["layers"][0]["up_proj"], quant.Fp8Tensor)  # leaf under a list index
+    router = q["blocks"]["moe"]["router"]["gate_proj"]  # named like a matmul, but the router's
+    assert not isinstance(router, quant.Fp8Tensor) and router.dtype == jnp.float32
+    # Bytes: q_proj 256 fp8 values + 16 f32 channel scales = 320; up_proj 64 + 4 * 4 = 80;
+    # router 64 f32 = 256; norm 16 bf16 (kept as float32 here: 64). Unquantized: 256 * 4 = 1024,
+    # 64 * 4 = 256, 256, 32.
+    assert quant.tree_bytes(q) == 320 + 80 + 256 + 64
+    assert quant.tree_bytes(q, only_quantized_paths=True) == 320 + 80 + 256
+    assert quant.tree_bytes(params) == 1024 + 256 + 256 + 32
+    assert quant.tree_bytes(params, only_quantized_paths=True) == 1024 + 256 + 256
+    # A router at another depth stays unquantized too; a leaf directly in a list is counted.
+    shallow = quant.quantize_fp8({"moe": {"router": {"up_proj": jnp.ones((4, 2))}}})
+    assert not isinstance(shallow["moe"]["router"]["up_proj"], quant.Fp8Tensor)
+    assert quant.tree_bytes({"stack": [jnp.ones(3), jnp.ones(2, jnp.bfloat16)]}) == 12 + 4
+
+
+def test_default_block_size_is_128():
+    # 129 rows: two row blocks of 128 (one of 129 would give one).
+    w = jnp.ones((129, 8))
+    q = quant.quantize_fp8({"up_proj": w}, granularity="block")["up_proj"]
+    assert q.block == 128 and q.scales.shape == (2, 1)
+
+
+def test_dequantize_tree():
+    params = _hand_tree()
+    q = quant.quantize_fp8(params)
+    dq = quant.dequantize(q, "float32")
+    want = jax.tree.map(
+        lambda x: x.astype(jnp.float32), q, is_leaf=lambda x: isinstance(x, quant.Fp8Tensor)
+    )
+    chex.assert_trees_all_equal(dq, want)
+    assert dq["blocks"]["attn"]["q_proj"].dtype == jnp.float32
+    # Default dtype bfloat16, every leaf a plain array.
+    for leaf in jax.tree.leaves(quant.dequantize(q)):
+        assert isinstance(leaf, jax.Array) and leaf.dtype == jnp.bfloat16
+
+
+def test_quantize_tensor_defaults_errors_and_bf16_input():
+    # Default block_size 128 (129 rows -> 2 row blocks); a channel tensor records block 0.
+    q = quant.quantize_tensor(
+        jnp.ones((129, 8)), num_in_axes=1, num_out_axes=1, granularity="block"
+    )
+    assert q.block == 128 and q.scales.shape == (2, 1)
+    q = quant.quantize_tensor(
+        jnp.ones((4, 8)), num_in_axes=1, num_out_axes=1, granularity="channel"
+    )
+    assert q.block == 0
+    # block_size is only checked (and only used) for granularity="block".
+    quant.quantize_tensor(
+        jnp.ones((4, 8)), num_in_axes=1, num_out_axes=1, granularity="channel", block_size=0
+    )
+    with pytest.raises(ValueError, match=r"^block_size=0 is invalid: >= 1$"):
+        quant.quantize_tensor(
+            jnp.ones((4, 8)), num_in_axes=1, num_out_axes=1, granularity="block", block_size=0
+        )
+    with pytest.raises(
+        ValueError, match=r"^granularity='tensor' is invalid; valid: \('channel', 'block'\)$"
+    ):
+        quant.quantize_tensor(jnp.ones((4, 8)), num_in_axes=1, num_out_axes=1, granularity="tensor")
+    # A bfloat16 weight is quantized from its float32 value: scales = absmax / 448 in float32
+    # (bf16 arithmetic would round the scale to 8 bits).
+    w = jnp.asarray(_spread_weight((40, 24), -2.0, 2.0), jnp.bfloat16)
+    for granularity, block in (("channel", 0), ("block", 16)):
+        q = quant.quantize_tensor(
+            w, num_in_axes=1, num_out_axes=1, granularity=granularity, block_size=16
+        )
+        assert q.scales.dtype == jnp.float32
+        _assert_matches_reference(q, w, num_in_axes=1, num_out_axes=1, block=block)
