@@ -100,19 +100,25 @@ def test_pass_at_k_and_avg_at_k_differ_by_hand():
 
 
 def test_per_group_pass_rates_by_hand():
-    """Groups a, b, a (prompt order not grouped): only prompt 2's greedy and sampled
-    completions are right, so pass@1/a = pass@2/a = 1/2 and both are 0 for b; the overall
-    pass@1 stays 1/3. One group reports nothing per group."""
-    prompts, answers = [[1, 3], [5], [4]], ["wrong", "wrong", "567"]
-    metas = [dict(i=i, answer=a) for i, a in enumerate(answers)]
+    """Groups a, b, a (prompt order not grouped). The reward counts its calls per prompt (call 1
+    is greedy, calls 2-3 the k=2 samples): prompt 0 is right on its 2nd sample only, prompt 2 on
+    every call, prompt 1 never. So pass@1/a = 1/2 (prompt 2), pass@2/a = 1 (both), b = 0 and 0;
+    the overall pass@1 stays 1/3. One group reports nothing per group."""
+    calls = {0: 0, 1: 0, 2: 0}
+
+    def right(completion, meta):
+        calls[meta["i"]] += 1
+        return meta["i"] == 2 or (meta["i"] == 0 and calls[0] == 3)
+
     cfg = evaluate.EvalConfig(samples=2, max_new_tokens=4, batch_size=4)
     run = functools.partial(
-        _run, testing.CountingModel(), prompts, reward=Recorder(), cfg=cfg, metas=metas
+        _run, testing.CountingModel(), [[1, 3], [5], [4]], reward=Recorder(right), cfg=cfg
     )
     got = run(groups=["a", "b", "a"])
     assert got["eval/pass@1"] == pytest.approx(1 / 3)
-    assert got["eval/pass@1/a"] == got["eval/pass@2/a"] == 0.5
+    assert got["eval/pass@1/a"] == 0.5 and got["eval/pass@2/a"] == 1.0
     assert got["eval/pass@1/b"] == got["eval/pass@2/b"] == 0.0
+    assert calls == {0: 3, 1: 3, 2: 3}
     assert not any(k.count("/") > 1 for k in run(groups=["a", "a", "a"]))
 
 
