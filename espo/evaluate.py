@@ -222,8 +222,8 @@ def evaluate(
         "eval/greedy_mean_length": float(np.mean(greedy.lengths)),
         "eval/num_prompts": float(P),
     }
-    names = np.asarray(groups)
-    for name in sorted(set(groups)) if len(set(groups)) > 1 else ():
+    names, distinct = np.asarray(groups), sorted(set(groups))
+    for name in distinct if len(distinct) > 1 else ():
         rows = names == name
         metrics[f"eval/pass@1/{name}"] = float(np.mean(greedy.rewards[rows, 0] > CORRECT_ABOVE))
         if k > 1:
