@@ -40,7 +40,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints
-_ITEMS = ("state", "host")
 
 
 class CheckpointMismatchError(ValueError):
@@ -137,7 +136,12 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # a save cut short by a kill leaves a tmp dir
             enable_async_checkpointing=False,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+        # Handlers named up front: restore_host / item_metadata then need no handler registry
+        # (orbax warns "Item ... could not be restored" without them).
+        handlers = dict(state=ocp.StandardCheckpointHandler(), host=ocp.JsonCheckpointHandler())
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
         # orbax removes unfinished saves in the background and waits for that only before its
         # next save; wait now, so the directory is settled once the constructor returns.
         await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)

@@ -60,6 +60,19 @@ def test_round_trip_state_and_host(tmp_path):
     )
 
 
+def test_resume_in_a_new_process_restores_without_orbax_warnings(tmp_path, caplog):
+    """A resume opens a fresh manager; orbax then warns "Item ... could not be restored" for
+    every item whose handler it was not told (the trainer's resume log was full of them)."""
+    state = _train_state()
+    with checkpoint.Checkpointer(tmp_path, every_steps=1, keep=2) as ckpt:
+        ckpt.save(1, state=state, host=HOST)
+    with caplog.at_level("WARNING"), checkpoint.Checkpointer(tmp_path, every_steps=1, keep=2) as c:
+        assert c.restore_host() == HOST
+        restored, _ = c.restore(abstract_state=jax.eval_shape(_train_state))
+    chex.assert_trees_all_equal(restored, state)
+    assert not [r.getMessage() for r in caplog.records if "could not be restored" in r.getMessage()]
+
+
 def test_save_schedule_and_force(tmp_path):
     state = {"x": np.arange(3, dtype=np.float32)}
     with checkpoint.Checkpointer(tmp_path, every_steps=3, keep=5) as ckpt:
