@@ -25,6 +25,10 @@ Invariants:
   with no global batch size). seq-mean-token-sum-norm is Dr.GRPO's (1/B) sum_i sum_t l /
   MAX_TOKENS as in verl >= 0.6; verl <= 0.5 omitted the 1/B. Exception to exactness: ESPO with
   quantile_scope="batch" takes its entropy thresholds over whichever (micro-)batch it sees.
+- Sampler correction (`espo.correction`, `rollout_is` / `rollout_rs`): rejected tokens leave the
+  mask before anything reads it, so m above is the mask after rejection (a rejected token is
+  exactly a padded one); the stop-gradient IS weight w_t multiplies every loss's per-token
+  policy-gradient term, l = w_t l_pg + kl_coef kl_t, never the KL penalty.
 - Metrics are float32 scalars over the valid tokens of the call (one micro-batch). Unless named
   otherwise they are token-weighted means: combine micro-batches exactly by weighting each with
   its `num_tokens` metric (`*_group{k}` metrics with `num_tokens_group{k}`); `ratio_max`
@@ -42,14 +46,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import types
+from espo import correction, types
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 QUANTILE_SCOPES = ("sequence", "batch")
 ESPO_RATIOS = ("gspo_token", "literal")
 
-LOG_RATIO_CLAMP = 20.0  # verl vanilla: |log r| <= 20 before exp (also CISPO and metrics)
+LOG_RATIO_CLAMP = correction.LOG_RATIO_CLAMP  # verl vanilla: |log r| <= 20 before exp (and CISPO)
 SEQ_LOG_RATIO_MAX = 10.0  # verl GSPO: combined log ratio <= 10 before exp (also ESPO)
 
 Mask = Bool[Array, "B T"] | Float[Array, "B T"]
@@ -64,6 +68,7 @@ class Batch(NamedTuple):
     mask: Bool[Array, "B T"]  # True for loss tokens; False for padding, prompt, filtered rows
     entropies: Float[Array, "B T"] | None  # old-policy token entropies (stop-gradient)
     penalty: Float[Array, "B T"]  # kl_coef * KL(pi || pi_ref) per token, 0 when KL is off
+    is_weights: Float[Array, "B T"]  # pi_old / pi_sampler IS weights (espo.correction), else 1
 
 
 LossFn = Callable[["LossConfig", Batch], types.LossOutput]
@@ -108,6 +113,11 @@ class LossConfig:
     kl_coef: float = 0.0  # beta of the per-token KL(pi || pi_ref) penalty; 0 = off
     kl_estimator: str = "k3"  # "k1" | "k2" | "k3" (verl kl_penalty names)
     overlong_filter: bool = False  # DAPO: rows with finished=False (no EOS) leave the loss
+    rollout_is: str = "none"  # IS weight pi_old / pi_sampler: "none" | "token" | "sequence"
+    rollout_is_cap: float = 2.0  # truncated IS: w = min(w, cap) (verl TIS)
+    rollout_rs: str = "none"  # rejection: "none" | "token" | "sequence" | "icepop"
+    rollout_rs_low: float | None = None  # reject ratios below; None = the mode's (0.5)
+    rollout_rs_high: float | None = None  # reject ratios above; None = the mode's (2; icepop 5)
 
     def __post_init__(self):
         def need(ok: bool, field: str, valid: str):
@@ -154,6 +164,20 @@ class LossConfig:
         need(is_num(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "a float >= 0")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"one of {KL_ESTIMATORS}")
         need(isinstance(self.overlong_filter, bool), "overlong_filter", "True or False")
+        need(self.rollout_is in correction.IS_MODES, "rollout_is", f"one of {correction.IS_MODES}")
+        cap = self.rollout_is_cap
+        need(is_num(cap) and cap >= 1, "rollout_is_cap", "a float >= 1")
+        need(self.rollout_rs in correction.RS_MODES, "rollout_rs", f"one of {correction.RS_MODES}")
+        for field in ("rollout_rs_low", "rollout_rs_high"):
+            value = getattr(self, field)
+            need(value is None or (is_num(value) and value >= 0), field, "None or a float >= 0")
+            need(
+                value is None or self.rollout_rs != "none",
+                field,
+                "None while rollout_rs='none' (set rollout_rs to reject)",
+            )
+        low, high = correction.rs_band(self.rollout_rs, self.rollout_rs_low, self.rollout_rs_high)
+        need(low < high, "rollout_rs_high", f"above rollout_rs_low ({low})")
 
     @property
     def eps_low(self) -> float | None:
@@ -260,7 +284,7 @@ def grpo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
 
     r_t = exp(clamp(logp_t - old_t, -20, 20)),
     l_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)),
-    dual clip (c = dual_clip, only where A < 0): l_t = min(l_t, -A c).
+    dual clip (c = dual_clip, only where A < 0): l_t = min(l_t, -A c); then l_t <- w_t l_t.
     Departures from the GRPO paper (DeepSeekMath): default aggregation token-mean (DAPO's; the
     paper's is seq-mean-token-mean, available via `agg`); KL off by default (the paper uses k3
     with beta 0.04: kl_coef=0.04, kl_estimator="k3"); asymmetric clip and dual clip from verl,
@@ -276,7 +300,10 @@ def grpo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
         metrics["dual_clip_frac"] = _token_mean((token_losses > dual_bound) & (a < 0), batch.mask)
         token_losses = jnp.where(a < 0, jnp.minimum(token_losses, dual_bound), token_losses)
     num, den = aggregate(
-        token_losses + batch.penalty, batch.mask, agg=cfg.agg_mode, norm_length=cfg.norm_length
+        batch.is_weights * token_losses + batch.penalty,
+        batch.mask,
+        agg=cfg.agg_mode,
+        norm_length=cfg.norm_length,
     )
     return _output(num, den, metrics)
 
@@ -287,7 +314,11 @@ def gspo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
 
     s_i = exp(mean_{t valid} (logp_t - old_t)), the length-normalised sequence ratio;
     log s_{i,t} = min(sg[log s_i] + logp_t - sg[logp_t], 10), so s_{i,t} has value s_i and
-    gradient s_i grad logp_t; l_t = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - eps_low, 1 + eps_high)).
+    gradient s_i grad logp_t; l_t = w_t max(-A s_{i,t}, -A clip(s_{i,t}, 1 - eps_lo, 1 + eps_hi)).
+    Sampler correction: w_t (`espo.correction`, pi_old / pi_sampler, 1 when off) multiplies the
+    clipped term and stays outside s_i: s_i is the trust-region ratio pi / pi_old, which decides
+    the clip; w corrects for sampling from pi_sampler. With rollout_is="sequence", w_t = w_i and
+    sequence i's objective is w_i max(-A s_i, -A clip(s_i)), gradient w_i s_i A grad mean logp_t.
     Defaults eps = (3e-4, 4e-4), seq-mean-token-mean. With a sequence-level A this is exactly
     GSPO's sequence objective. Departures: the <= 10 clamp is verl's (the paper has none); verl
     forces seq-mean-token-mean, here `agg` may override it.
@@ -301,7 +332,10 @@ def gspo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
         ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, batch.advantages
     )
     num, den = aggregate(
-        token_losses + batch.penalty, batch.mask, agg=cfg.agg_mode, norm_length=cfg.norm_length
+        batch.is_weights * token_losses + batch.penalty,
+        batch.mask,
+        agg=cfg.agg_mode,
+        norm_length=cfg.norm_length,
     )
     return _output(num, den, _ratio_metrics(ratio, indicators, batch.mask))
 
@@ -358,8 +392,13 @@ def espo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
       log s_{g,t} = min(sg[log s_g] + logp_t - sg[logp_t], 10)   (espo_ratio="gspo_token")
                   = min(sg[log s_g] + logp_t - old_t, 10)        (espo_ratio="literal", Eq. 9 as
                                                                   printed: value s_g r_t)
-      l_t   = max(-A s_{g,t}, -A clip(s_{g,t}, 1 - eps_g, 1 + eps_g))
-      loss  = mean_i mean_{non-empty g} mean_{t in g} l_t       (Eq. 5)
+      l_t   = w_t max(-A s_{g,t}, -A clip(s_{g,t}, 1 - eps_g, 1 + eps_g))
+      loss  = mean_i mean_{non-empty g} mean_{t in g} (l_t + kl_t)  (Eq. 5)
+    w_t is the sampler correction (`espo.correction`, pi_old / pi_sampler; 1 when off): it
+    multiplies each token's clipped term before the group means and stays outside s_g, which is
+    the trust-region ratio pi / pi_old that decides the clip (as in GSPO); with
+    rollout_is="sequence" every token of sequence i has w_i, so each group's term is scaled by w_i.
+    Rejected tokens (rollout_rs) are masked: they join no group and move no threshold.
     Default "gspo_token": value s_g shared by the group (group-level clip decisions), gradient
     s_g grad logp_t, matching the GSPO-token form the paper builds on. Departures / readings:
     Eq. 8 is printed with a single e_t, read as the group mean; the <= 10 clamp is borrowed
@@ -398,7 +437,7 @@ def espo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
     combined = _sg(to_tokens(group_log_ratio)) + local  # [B, T]
     ratio = jnp.exp(jnp.minimum(combined, SEQ_LOG_RATIO_MAX))  # [B, T]
     token_losses, indicators = _ppo_clip(ratio, 1.0 - eps, 1.0 + eps, batch.advantages)
-    group_losses = group_mean(token_losses + batch.penalty)  # [B, K]
+    group_losses = group_mean(batch.is_weights * token_losses + batch.penalty)  # [B, K]
     num_groups = (group_size > 0).astype(jnp.float32).sum(-1)  # [B] non-empty groups
     seq_losses = group_losses.sum(-1) / jnp.maximum(num_groups, 1.0)  # [B]
     denominator = (num_groups > 0).astype(jnp.float32).sum()
@@ -418,12 +457,13 @@ def espo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
 def cispo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
     """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update.
 
-    r_t = exp(clamp(logp_t - old_t, -20, 20)); l_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)]
-    A logp_t; token-mean. Every token keeps a gradient, -clip(r_t) A grad logp_t. Defaults:
-    eps_high = 0.28 (as DAPO's clip-higher; the paper tunes only eps_high), eps_low = 1.0, i.e.
-    lower bound 0: no lower clip, as the paper sets eps_low "large". Unlike PPO, the clip
-    metrics count every weight outside the range whatever the sign of A. The loss value (not
-    its gradient) depends on logp itself, so it is not comparable across losses.
+    r_t = exp(clamp(logp_t - old_t, -20, 20)); l_t = -w_t sg[clip(r_t, 1 - eps_low, 1 + eps_high)]
+    A logp_t (w_t the sampler correction, 1 when off); token-mean. Every token keeps a gradient,
+    -w_t clip(r_t) A grad logp_t. Defaults: eps_high = 0.28 (as DAPO's clip-higher; the paper
+    tunes only eps_high), eps_low = 1.0, i.e. lower bound 0: no lower clip, as the paper sets
+    eps_low "large". Unlike PPO, the clip metrics count every weight outside the range whatever
+    the sign of A. The loss value (not its gradient) depends on logp itself, so it is not
+    comparable across losses.
     """
     log_ratio = jnp.clip(batch.logps - batch.old_logps, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)  # [B, T]
@@ -432,7 +472,10 @@ def cispo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
     token_losses = -weight * batch.advantages * batch.logps  # [B, T]
     indicators = {"clip_frac_low": ratio < low, "clip_frac_high": ratio > high}
     num, den = aggregate(
-        token_losses + batch.penalty, batch.mask, agg=cfg.agg_mode, norm_length=cfg.norm_length
+        batch.is_weights * token_losses + batch.penalty,
+        batch.mask,
+        agg=cfg.agg_mode,
+        norm_length=cfg.norm_length,
     )
     return _output(num, den, _ratio_metrics(ratio, indicators, batch.mask))
 
@@ -448,6 +491,7 @@ def compute_loss(
     entropies: Float[Array, "B T"] | None = None,
     ref_logps: Float[Array, "B T"] | None = None,
     finished: Bool[Array, " B"] | None = None,
+    sampler_logps: Float[Array, "B T"] | None = None,
 ) -> types.LossOutput:
     """The `cfg.name` loss of one (micro-)batch as numerator / denominator plus metrics.
 
@@ -455,6 +499,9 @@ def compute_loss(
     `mask & valid[:, None]` so a failed reward sample has no token and contributes nothing.
     `finished` [B] (the rollout's EOS flag) is required by `cfg.overlong_filter`, which then also
     drops rows with finished=False (DAPO overlong filtering), as if their mask were 0.
+    `sampler_logps` [B, T] (the rollout's log-probs) is required by `cfg.rollout_is` /
+    `cfg.rollout_rs` (`espo.correction`): tokens it rejects are masked like padding, and its IS
+    weights multiply each loss's policy-gradient term (never the KL penalty).
     Every input is selected with the mask before any arithmetic (see the module docstring).
 
     Shared metrics: num_tokens, num_seqs (sequences with a valid token); approx_kl = token mean
@@ -471,18 +518,30 @@ def compute_loss(
         raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs `ref_logps` [B, T]; got None")
     if cfg.overlong_filter and finished is None:
         raise ValueError("overlong_filter=True needs `finished` [B] (False = truncated); got None")
+    corrected = cfg.rollout_is != "none" or cfg.rollout_rs != "none"
+    if corrected and sampler_logps is None:
+        raise ValueError(
+            f"rollout_is={cfg.rollout_is!r}, rollout_rs={cfg.rollout_rs!r} need `sampler_logps`"
+            " [B, T]; got None"
+        )
 
     def f32(x, *, grad=False):
         x = None if x is None else jnp.asarray(x).astype(jnp.float32)
         return x if grad or x is None else _sg(x)
 
     logps, old_logps, advantages = f32(logps, grad=True), f32(old_logps), f32(advantages)
-    entropies, ref_logps = f32(entropies), f32(ref_logps)
+    entropies, ref_logps, sampler_logps = f32(entropies), f32(ref_logps), f32(sampler_logps)
     mask = jnp.asarray(mask) > 0  # [B, T] bool
     shape = logps.shape
     if logps.ndim != 2:
         raise ValueError(f"logps must be [B, T], got shape {shape}")
-    named = dict(old_logps=old_logps, mask=mask, entropies=entropies, ref_logps=ref_logps)
+    named = dict(
+        old_logps=old_logps,
+        mask=mask,
+        entropies=entropies,
+        ref_logps=ref_logps,
+        sampler_logps=sampler_logps,
+    )
     for field, value in named.items():
         if value is not None and value.shape != shape:
             raise ValueError(f"{field} must have the shape of logps {shape}, got {value.shape}")
@@ -502,6 +561,10 @@ def compute_loss(
         filtered = truncated if cfg.overlong_filter else jnp.zeros_like(truncated)  # [B]
         metrics["num_overlong_filtered"] = filtered.astype(jnp.float32).sum()
         mask = mask & ~filtered[:, None]  # [B, T]
+    is_weights = jnp.ones(shape, jnp.float32)  # [B, T]
+    if corrected:  # rejected tokens leave the mask before anything reads it
+        fix = correction.correct(cfg, old_logps=old_logps, sampler_logps=sampler_logps, mask=mask)
+        is_weights, mask = fix.weights, fix.keep_mask
 
     # Select before any arithmetic: padding may hold inf/NaN; with 0 everywhere outside the mask
     # every ratio there is 1 and every gradient through the select is exactly 0.
@@ -521,7 +584,7 @@ def compute_loss(
         penalty = cfg.kl_coef * kl  # [B, T]
         metrics["kl"] = _sg(_token_mean(kl, mask))
 
-    batch = Batch(logps, old_logps, advantages, mask, entropies, penalty)
+    batch = Batch(logps, old_logps, advantages, mask, entropies, penalty, is_weights)
     out = LOSSES[cfg.name].fn(cfg, batch)
     metrics.update({name: _sg(value).astype(jnp.float32) for name, value in out.metrics.items()})
     return _output(out.numerator, out.denominator, metrics)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import advantages, batching, losses, types
+from espo import advantages, batching, correction, losses, types
 from espo.model import config as config_lib
 from espo.model import transformer
 
@@ -211,8 +211,10 @@ def prepare(sc: StepConfig, params: dict, ref_params: dict | None, batch):
     One pass over micro-batches with `lax.map`. pi_old replays the rollout's experts when
     `router_replay` (REPLAY_IDS), or routes freely; `old_logps="sampler"` takes the rollout's own
     log-probs instead. Mismatch metrics compare the sampler's log-probs with pi_old's on loss
-    tokens: k3 KL(sampler || trainer), the fraction with |dlogp| > ln 2, and the router agreement
-    of a FREE-routing trainer forward with the rollout's experts.
+    tokens: k3 KL(sampler || trainer), the fraction with |dlogp| > ln 2, the router agreement
+    of a FREE-routing trainer forward with the rollout's experts, and the sampler correction the
+    loss will apply (`espo.correction`: is_weight_mean / max, is_clipped_frac, rs_masked_frac,
+    rs_masked_seq_frac) over the whole batch, whatever its micro-batching.
     """
     mbs = batching.split(batch, batch.num_rows // sc.micro_batch_size)
 
@@ -241,6 +243,9 @@ def prepare(sc: StepConfig, params: dict, ref_params: dict | None, batch):
     d = jnp.where(m, jnp.clip(logps - batch.sampler_logps, -clamp, clamp), 0.0)  # trainer - sampler
     k3 = jnp.where(m, jnp.expm1(d) - d, 0.0).sum() / n
     extreme = jnp.where(m, jnp.abs(d) > jnp.log(2.0), False).sum() / n
+    fix = correction.correct(
+        sc.loss, old_logps=logps, sampler_logps=batch.sampler_logps, mask=batch.loss_mask
+    )
     adv = advantages.compute(
         batch.rewards,
         group_ids=batch.group_ids,
@@ -262,6 +267,7 @@ def prepare(sc: StepConfig, params: dict, ref_params: dict | None, batch):
         "mismatch/abs_dlogp_mean": jnp.where(m, jnp.abs(d), 0.0).sum() / n,
         "mismatch/router_agreement": agree.sum() / jnp.maximum(agree_n.sum(), 1),
         "mismatch/unrecorded_routes": unrecorded.sum().astype(jnp.float32),
+        **{f"mismatch/{k}": v for k, v in fix.metrics.items()},
         **adv.metrics,
     }
     return batch, metrics
@@ -292,6 +298,7 @@ def _micro_loss(sc: StepConfig, params, mb):
         entropies=pick(sc.entropy.espo) if sc.loss.name == "espo" else None,
         ref_logps=mb.ref_logps if sc.loss.kl_coef > 0 else None,
         finished=mb.finished,
+        sampler_logps=mb.sampler_logps,
     )
     # The router's aux loss weighted by this micro-batch's share of the denominator, so the
     # accumulated objective is (sum num + sum den * aux) / sum den: exact over micro-batches.
