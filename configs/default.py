@@ -173,6 +173,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.loss.kl_coef = 0.0  # beta of the KL to the reference (warm-start) policy; 0 = none
     c.loss.kl_estimator = "k3"  # k1 | k2 | k3
     c.loss.overlong_filter = False  # DAPO: truncated samples (no EOS) leave the loss
+    c.loss.rollout_is = "none"  # IS weight pi_old / pi_sampler: none | token | sequence (geo mean)
+    c.loss.rollout_is_cap = 2.0  # truncated IS: weight = min(weight, cap) (verl TIS)
+    c.loss.rollout_rs = "none"  # reject tokens / sequences: none | token | sequence | icepop
+    c.loss.rollout_rs_low = _float  # reject ratios below; None = the mode's (0.5)
+    c.loss.rollout_rs_high = _float  # reject ratios above; None = the mode's (2; icepop 5)
 
     # ---- advantage: espo.advantages.AdvantageConfig ----------------------------------------------
     c.advantage = ml_collections.ConfigDict()

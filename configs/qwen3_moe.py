@@ -42,6 +42,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.train.update(steps=200, prompts_per_step=32, micro_batch_size=8, mini_batch_size=128)
     c.optimizer.update(learning_rate=1e-6, warmup_steps=10, weight_decay=0.01)
     c.reward.overlong_cache_fraction = 0.25  # DAPO: L_cache = L_max / 4
+    c.loss.rollout_is = "token"  # TIS on the FP8 rollout's log-probs, on top of router replay
     c.curriculum.stages = (
         default.stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=2048),
     )
