@@ -203,7 +203,8 @@ def forward(
       cache: a `KVCache`; the T tokens are written at slots [cache.index, cache.index + T).
       routing: a `RouterTrace` [B, L, T, K] to replay (required unless routing_mode is FREE).
       routing_mode: static; see `RoutingMode`.
-      dispatch_impl: static; "auto" (blocked on CPU, ragged elsewhere), "ragged" or "blocked".
+      dispatch_impl: static; "auto" (capacity on CPU, ragged elsewhere), "capacity", "ragged"
+        or "blocked" (`moe.expert_ffn`).
       return_hidden: static; also return the final-norm hidden state [B, T, D] (for value or
         reward heads).
       replay_missing: static; what a replaying forward does with a real token (attention_mask

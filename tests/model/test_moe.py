@@ -29,43 +29,137 @@ def _routing(seed, *, unrecorded=0):
     ids, w = moe.route(logits, top_k=K, norm_topk_prob=True, mode=RoutingMode.FREE)
     if unrecorded:
         ids = ids.at[:unrecorded, 1].set(-1)
-        w = w.at[:unrecorded, 1].set(0.0)
+        w = w.at[:unrecorded, 1].set(0.3)  # a -1 id contributes nothing, whatever its weight
     return ids, w
 
 
-@pytest.mark.parametrize("impl", ["blocked", "ragged"])
-@pytest.mark.parametrize("unrecorded", [0, 5])
-def test_dispatch_matches_loop_reference(weights, impl, unrecorded):
-    w_gate, w_up, w_down, x = weights
-    ids, w = _routing(1, unrecorded=unrecorded)
-    got = moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl=impl)
+IMPLS = ["capacity", "blocked", "ragged"]
+
+
+def _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, **kw):
+    got = moe.dispatch(x, ids, w, w_gate, w_up, w_down, **kw)
     want = moe.moe_reference(x, ids, w, w_gate, w_up, w_down)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_dispatch_gradients_match_reference(weights):
-    w_gate, w_up, w_down, x = weights
-    ids, w = _routing(2)
-
+def _assert_gradients_match_reference(x, ids, w, w_gate, w_up, w_down, **kw):
     def loss(fn, *args):
         return jnp.sum(jnp.sin(fn(*args)))
 
     args = (x, ids, w, w_gate, w_up, w_down)
     grad_argnums = (0, 2, 3, 4, 5)
-    got = jax.grad(lambda *a: loss(moe.dispatch, *a), grad_argnums)(*args)
+    fn = lambda *a: moe.dispatch(*a, **kw)  # noqa: E731
+    got = jax.jit(jax.grad(lambda *a: loss(fn, *a), grad_argnums))(*args)
     want = jax.grad(lambda *a: loss(moe.moe_reference, *a), grad_argnums)(*args)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
 
 
-def test_skewed_routing_all_tokens_to_one_expert(weights):
-    # The blocked layout's worst case: one group holds every row.
-    w_gate, w_up, w_down, x = weights
+def _skewed_routing():
+    # Every token to experts 3 and 5: six groups of size 0 and two of M=37 rows, above any
+    # capacity below M.
     ids = jnp.stack([jnp.full((M,), 3), jnp.full((M,), 5)], axis=1).astype(jnp.int32)
-    w = jnp.full((M, K), 0.5)
-    got = moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl="blocked")
-    want = moe.moe_reference(x, ids, w, w_gate, w_up, w_down)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    return ids, jnp.full((M, K), 0.5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("unrecorded", [0, 5])
+def test_dispatch_matches_loop_reference(weights, impl, unrecorded):
+    w_gate, w_up, w_down, x = weights
+    ids, w = _routing(1, unrecorded=unrecorded)
+    _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dispatch_gradients_match_reference(weights, impl):
+    w_gate, w_up, w_down, x = weights
+    ids, w = _routing(2)
+    _assert_gradients_match_reference(x, ids, w, w_gate, w_up, w_down, impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_skewed_routing_all_tokens_to_one_expert(weights, impl):
+    # The worst case of every layout: one group holds every row, most groups are empty.
+    w_gate, w_up, w_down, x = weights
+    ids, w = _skewed_routing()
+    _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, impl=impl)
+
+
+# Capacities around the group sizes of _routing (E=8, M*K=74: mean 9): 1 and 4 overflow almost
+# every group (several tiles per group at 1), 12 some, 74 none (the R <= C shortcut).
+@pytest.mark.parametrize("capacity", [1, 4, 12, 74])
+@pytest.mark.parametrize("routing", ["free", "unrecorded", "skewed"])
+def test_capacity_dispatch_and_gradients_at_any_capacity(weights, capacity, routing):
+    w_gate, w_up, w_down, x = weights
+    if routing == "skewed":
+        ids, w = _skewed_routing()
+    else:
+        ids, w = _routing(3, unrecorded=5 if routing == "unrecorded" else 0)
+    kw = dict(impl="capacity", capacity=capacity)
+    _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, **kw)
+    _assert_gradients_match_reference(x, ids, w, w_gate, w_up, w_down, **kw)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3])
+def test_capacity_dispatch_at_decode_shapes(weights, num_tokens):
+    # Decode: fewer assignments than experts (M*K = 2..6 < E = 8, default capacity 4); at M=1
+    # the static R <= C shortcut skips the overflow loop. Routed through REPLAY_IDS with one
+    # unrecorded (-1) id, whose gate is zero and which must contribute nothing.
+    w_gate, w_up, w_down, x = weights
+    logits = jax.random.normal(jax.random.key(4), (num_tokens, E))
+    replay = jnp.array([[6, 2], [6, -1], [1, 6]], jnp.int32)[:num_tokens]
+    ids, w = moe.route(
+        logits, top_k=K, norm_topk_prob=True, mode=RoutingMode.REPLAY_IDS, replay_ids=replay
+    )
+    args = (x[:num_tokens], ids, w, w_gate, w_up, w_down)
+    _assert_dispatch_matches_reference(*args, impl="capacity")
+    _assert_gradients_match_reference(*args, impl="capacity")
+
+
+def _shapes_in(jaxpr):
+    """Every output shape of every equation, sub-jaxprs (loops, custom_vjp) included."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval.shape for v in eqn.outvars)
+        for p in eqn.params.values():
+            for j in p if isinstance(p, tuple | list) else (p,):
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    yield from _shapes_in(inner)
+
+
+@pytest.mark.parametrize("impl", ["capacity", "blocked"])
+def test_dispatch_gradient_keeps_no_per_block_weight_copies(weights, impl):
+    # The update differentiates dispatch: its forward and backward may hold weight-shaped
+    # arrays [n, D, F] / [n, F, D] only for n = E (the weights and their gradients, read and
+    # written in place) or n = 1 (one expert's slice per overflow tile), never a per-block
+    # stack of gathered expert weights.
+    w_gate, w_up, w_down, x = weights
+    ids, w = _routing(2)
+
+    def loss(*a):
+        return jnp.sum(moe.dispatch(*a, impl=impl, capacity=4))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 3, 4, 5)))(x, ids, w, w_gate, w_up, w_down)
+    stacks = {s for s in _shapes_in(jaxpr.jaxpr) if len(s) == 3 and s[1:] in ((D, F), (F, D))}
+    if impl == "blocked":  # the old layout gathers a weight copy per block: the test sees it
+        assert any(s[0] != E for s in stacks), stacks
+    else:
+        assert {s[0] for s in stacks} == {1, E}, stacks  # 1: one expert's slice in the loop
+
+
+def test_auto_is_capacity_on_cpu_and_unknown_impls_are_refused(weights):
+    w_gate, w_up, w_down, x = weights
+    ids, w = _routing(1)
+    assert jax.default_backend() != "cpu" or moe.default_impl() == "capacity"
+    with pytest.raises(ValueError, match="impl='dense' is invalid"):
+        moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl="dense")
+
+
+def test_capacity_for_is_about_a_quarter_above_the_mean_group():
+    # 1.25x the mean rounded up to a multiple of 4, at least 4: decode (M*K=256) and prefill.
+    assert [moe.capacity_for(256, e) for e in (8, 32, 128)] == [40, 12, 4]
+    assert [moe.capacity_for(4096, e) for e in (8, 32, 128)] == [640, 160, 40]
+    assert moe.capacity_for(1, 128) == 4
 
 
 def test_route_free_and_replay_semantics():

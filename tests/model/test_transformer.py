@@ -39,10 +39,11 @@ def test_shapes_and_dense_layers_in_trace(params, tokens):
     assert out.cache is None
 
 
-def test_dispatch_impls_agree(params, tokens):
-    blocked = forward(params, tokens, dispatch_impl="blocked")
+@pytest.mark.parametrize("impl", ["capacity", "blocked"])
+def test_dispatch_impls_agree(params, tokens, impl):
+    got = forward(params, tokens, dispatch_impl=impl)
     ragged = forward(params, tokens, dispatch_impl="ragged")
-    np.testing.assert_allclose(blocked.logits, ragged.logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got.logits, ragged.logits, atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_then_decode_equals_full_forward(params, tokens):
