@@ -69,7 +69,7 @@ def _reward_fn(s: config_lib.Settings):
     if s.data.source == "reasoning_gym":
         from espo.rewards import gym
 
-        return gym.ReasoningGymReward()
+        return gym.ReasoningGymReward(last_line=s.data.worked_solutions)
     from espo.rewards import math as math_reward
 
     return math_reward.MathReward()
@@ -460,12 +460,13 @@ def _warm_start(s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progr
     )
     opt_state = opt.init(params)
     width = curr.max_new_tokens
-    fits = lambda e: len(encode(e)) <= Tp and len(tok.encode_completion(e.answer)) <= width
+    target = lambda e: tok.encode_completion(e.demonstration or e.answer)
+    fits = lambda e: len(encode(e)) <= Tp and len(target(e)) <= width
     bar = tqdm.tqdm(total=s.sft.steps, desc="warm start (SFT)", disable=not progress)
     for _ in range(s.sft.steps):
         exs = stream.take(s.sft.batch_size, accept=fits)
         batch = sft.demonstration_batch(
-            [encode(e) for e in exs], [tok.encode_completion(e.answer) for e in exs],
+            [encode(e) for e in exs], [target(e) for e in exs],
             prompt_length=Tp, completion_length=width, pad_id=tok.pad_id,
         )  # fmt: skip
         params, opt_state, loss = sft.sft_step(model_cfg, params, opt_state, batch, optimizer=opt)

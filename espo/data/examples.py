@@ -42,6 +42,9 @@ class Example:
     answer: str  # gold answer text (the verifier's target; also the SFT demonstration)
     difficulty: float  # level in [0, 1], 0 easiest; NaN when the source has none
     meta: dict  # JSON-serialisable; handed to the reward function (holds "answer" and "task")
+    # The warm start's target when it is not the bare answer: a worked solution whose last line
+    # is the answer (`espo.data.worked`); "" = the answer alone.
+    demonstration: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -53,6 +56,8 @@ class Example:
         d = self.difficulty
         if not isinstance(d, (int, float)) or not (math.isnan(d) or 0.0 <= d <= 1.0):
             raise _invalid("Example", "difficulty", d, f"a float in [0, 1] or NaN (id {self.id})")
+        if not isinstance(self.demonstration, str):
+            raise _invalid("Example", "demonstration", self.demonstration, f"a str (id {self.id})")
         if not isinstance(self.meta, dict) or "answer" not in self.meta or "task" not in self.meta:
             keys = sorted(self.meta) if isinstance(self.meta, dict) else type(self.meta).__name__
             raise _invalid(
@@ -127,6 +132,9 @@ class DataConfig:
     eval_fraction: float = 0.1  # held-out share, chosen by a stable hash of the prompt text
     seed: int = 0  # reasoning_gym generation seed and the stream's shuffle seed
     skip_bad_records: bool = False  # skip (and count) malformed records instead of failing
+    # reasoning_gym + / - arithmetic: warm-start demonstrations work the expression one step a
+    # line ("7-3=4\n4-6=-2\n-2"; `espo.data.worked`) and the reward reads the last line.
+    worked_solutions: bool = False
 
     def __post_init__(self) -> None:
         owner = "DataConfig"
@@ -146,8 +154,11 @@ class DataConfig:
             raise _invalid(owner, "size", self.size, "an int >= 1")
         if self.seed < 0:
             raise _invalid(owner, "seed", self.seed, "an int >= 0")
-        if not isinstance(self.skip_bad_records, bool):
-            raise _invalid(owner, "skip_bad_records", self.skip_bad_records, "True or False")
+        for name in ("skip_bad_records", "worked_solutions"):
+            if not isinstance(getattr(self, name), bool):
+                raise _invalid(owner, name, getattr(self, name), "True or False")
+        if self.worked_solutions and self.source != "reasoning_gym":
+            raise _invalid(owner, "worked_solutions", True, 'False unless source="reasoning_gym"')
         f = self.eval_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
             raise _invalid(owner, "eval_fraction", f, "a float in [0, 1)")

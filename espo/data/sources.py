@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from espo.data import examples as examples_lib
+from espo.data import worked
 
 _EXTENSIONS = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", ".pq")}
 _SKIP_HINT = "(set data.skip_bad_records=True to skip and count malformed records)"
@@ -182,9 +183,32 @@ def _reasoning_gym_examples(cfg: examples_lib.DataConfig) -> list[examples_lib.E
                     answer=answer,
                     difficulty=difficulty,
                     meta={"task": name, "answer": answer, "entry": entry},
+                    demonstration=_worked(entry, answer, where) if cfg.worked_solutions else "",
                 )
             )
     return out
+
+
+def _worked(entry: dict, answer: str, where: str) -> str:
+    """The worked solution of an arithmetic entry (`data.worked_solutions`), checked against
+    the generator's answer."""
+    expression = (entry.get("metadata") or {}).get("expression")
+    if not isinstance(expression, str):
+        raise ValueError(
+            f"{where}: data.worked_solutions=True needs an arithmetic task whose entries carry "
+            "metadata.expression (basic_arithmetic, chain_sum); this one has none"
+        )
+    try:
+        solution = worked.arithmetic_solution(expression)
+    except ValueError as e:
+        raise ValueError(f"{where}: data.worked_solutions=True: {e}") from e
+    last = solution.rsplit("\n", 1)[-1]
+    if last != answer:
+        raise ValueError(
+            f"{where}: worked solution of {expression!r} ends in {last!r}, the generator's "
+            f"answer is {answer!r}"
+        )
+    return solution
 
 
 def _spec_seed(seed: int, spec_index: int) -> int:

@@ -29,7 +29,14 @@ def _scorer(task: str) -> Callable[[str, dict], float]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReasoningGymReward:
-    """reasoning_gym's scorer for meta["task"] on the stripped completion; see the module doc."""
+    """reasoning_gym's scorer for meta["task"] on the stripped completion; see the module doc.
+
+    Attributes:
+      last_line: score only the completion's last non-empty line (worked solutions,
+        `espo.data.worked`: the steps come first, the answer alone last).
+    """
+
+    last_line: bool = False
 
     def __call__(self, prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
         del prompt  # the entry in meta carries what the scorer needs
@@ -45,7 +52,10 @@ class ReasoningGymReward:
                 f"ReasoningGymReward: meta['entry'] for task {task!r} must be the generator's "
                 f"entry with an 'answer'; got {type(entry).__name__}"
             )
-        score = float(_scorer(task)(completion.strip(), dict(entry)))
+        answer = completion.strip()
+        if self.last_line:
+            answer = answer.rsplit("\n", 1)[-1].strip()
+        score = float(_scorer(task)(answer, dict(entry)))
         if not (math.isfinite(score) and 0.0 <= score <= 1.0):
             raise ValueError(
                 f"ReasoningGymReward: the {task!r} scorer returned {score!r}; valid: [0, 1]"
