@@ -62,10 +62,19 @@ def _batch(seed: int = 0) -> batching.TrainBatch:
     ), params  # fmt: skip
 
 
-def _sc(micro: int, *, name: str = "espo", replay: bool = True, model=CFG) -> train_step.StepConfig:
+# Sampler correction with both options on and a band tight enough to reject tokens of the batch
+# (old - sampler = -2 noise, noise ~ N(0, 0.1)).
+CORRECTION = dict(
+    rollout_is="sequence", rollout_rs="token", rollout_rs_low=0.9, rollout_rs_high=1.1
+)
+
+
+def _sc(
+    micro: int, *, name: str = "espo", replay: bool = True, model=CFG, **loss
+) -> train_step.StepConfig:
     return train_step.StepConfig(
         model=model,
-        loss=losses.LossConfig(name=name, vocab_size=CFG.vocab_size),
+        loss=losses.LossConfig(name=name, vocab_size=CFG.vocab_size, **loss),
         advantage=advantages.AdvantageConfig(rl_zvp=True),
         entropy=train_step.EntropyConfig(),
         num_groups=N // 4,
@@ -83,21 +92,24 @@ def _update(sc, params, batch):
     return jax.jit(lambda st, mb: train_step.train_step(sc, opt, st, mb))(state, mini)
 
 
-@pytest.mark.parametrize("name", ["espo", "grpo"])
-def test_micro_batches_accumulate_exactly(name):
-    """One update over 8 rows equals 4 micro-batches of 2 (sum num / sum den, not a mean).
+@pytest.mark.parametrize(
+    "name, loss", [("espo", {}), ("grpo", {}), ("gspo", CORRECTION)], ids=["espo", "grpo", "tis"]
+)
+def test_micro_batches_accumulate_exactly(name, loss):
+    """One update over 8 rows equals 4 micro-batches of 2 (sum num / sum den, not a mean), also
+    with sampler correction rejecting tokens (rejected tokens leave every micro-batch's den).
 
     The router's load-balancing loss is a product of batch means, not a sum over rows, so it is
     off here (with it on, micro-batches weight it per micro-batch: a 6e-5 difference)."""
     batch, params = _batch()
     cfg = dataclasses.replace(CFG, aux_loss_coef=0.0)
-    whole, m1 = _update(_sc(N, name=name, model=cfg), params, batch)
-    parts, m4 = _update(_sc(2, name=name, model=cfg), params, batch)
+    whole, m1 = _update(_sc(N, name=name, model=cfg, **loss), params, batch)
+    parts, m4 = _update(_sc(2, name=name, model=cfg, **loss), params, batch)
     chex.assert_trees_all_close(whole.params, parts.params, atol=2e-6, rtol=1e-5)
     np.testing.assert_allclose(m1["loss/loss"], m4["loss/loss"], rtol=1e-5, atol=1e-7)
     assert float(m1["optim/grad_norm"]) > 0
     # A mean of per-micro-batch losses (the classic accumulation bug) differs here.
-    sc = _sc(2, name=name, model=cfg)
+    sc = _sc(2, name=name, model=cfg, **loss)
     micro = batching.split(batch, 4)
     outs = [train_step._micro_loss(sc, params, jax.tree.map(operator.itemgetter(i), micro))[1][0]
             for i in range(4)]  # fmt: skip
@@ -159,6 +171,37 @@ def test_prepare_mismatch_and_advantages():
     other = model_lib.init(CFG, jax.random.key(99))
     _, m2 = jax.jit(lambda p, b: train_step.prepare(sc, p, None, b))(other, batch)
     assert float(m2["mismatch/router_agreement"]) < 0.95
+
+
+def test_correction_reaches_the_loss_and_prepare_reports_it():
+    """The train step's loss uses the rollout's log-probs (rejection changes the denominator),
+    and prepare's mismatch/* correction metrics match NumPy on the recomputed pi_old."""
+    batch, params = _batch(5)
+    sc = _sc(4, name="grpo", **CORRECTION, rollout_is_cap=1.05)
+    out, m = jax.jit(lambda p, b: train_step.prepare(sc, p, None, b))(params, batch)
+    mask = np.asarray(batch.loss_mask)
+    log_rho = np.where(mask, np.asarray(out.old_logps) - batch.sampler_logps, 0.0)
+    rho = np.exp(log_rho)
+    keep = mask & (rho >= 0.9) & (rho <= 1.1)
+    seq = np.exp(log_rho.sum(-1) / np.maximum(mask.sum(-1), 1))[:, None] * np.ones_like(rho)
+    w = np.minimum(seq, 1.05)
+    assert 0 < keep.sum() < mask.sum() and (seq[keep] > 1.05).any()
+    want = {
+        "is_weight_mean": w[keep].mean(),
+        "is_weight_max": w[keep].max(),
+        "is_clipped_frac": (seq[keep] > 1.05).mean(),
+        "rs_masked_frac": 1 - keep.sum() / mask.sum(),
+        "rs_masked_seq_frac": (mask & ~keep).any(-1).sum() / mask.any(-1).sum(),
+    }
+    for k, v in want.items():
+        np.testing.assert_allclose(float(m[f"mismatch/{k}"]), v, rtol=1e-5, err_msg=k)
+    # The step's loss: its denominator (GRPO token-mean) is the kept tokens, computed from the
+    # batch's old log-probs and the rollout's.
+    micro = jax.tree.map(operator.itemgetter(slice(0, 4)), out)
+    loss_out = train_step._micro_loss(sc, params, micro)[1][0]
+    old_rho = np.exp(np.asarray(micro.old_logps) - np.asarray(micro.sampler_logps))
+    kept = np.asarray(micro.loss_mask) & (old_rho >= 0.9) & (old_rho <= 1.1)
+    assert float(loss_out.denominator) == kept.sum() < np.asarray(micro.loss_mask).sum()
 
 
 def test_prepare_sampler_old_logps():
