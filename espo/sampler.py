@@ -234,8 +234,11 @@ def sample_chunk(
     """
     if prefix is not None and num_samples != 1:
         raise ValueError(f"a prefix (continuation) needs num_samples=1, got {num_samples}")
+    model = sampling_model(model)
+    if hasattr(model, "decode_params"):  # e.g. per-layer weights on CPU, split outside the jit
+        params = model.decode_params(params)
     return _sample_chunk(
-        sampling_model(model), params, prompts, prompt_mask, key, budget, prefix,
+        model, params, prompts, prompt_mask, key, budget, prefix,
         num_samples=num_samples, gen_len=gen_len, temperature=float(sampling.temperature),
         top_p=float(sampling.top_p), top_k=int(sampling.top_k), stop_ids=sampling.stop_ids,
         pad_id=sampling.pad_id,

@@ -60,6 +60,14 @@ class Model:
         replay_missing) with its meaning and default."""
         return transformer.forward(self.cfg, params, tokens, **options)
 
+    def decode_params(self, params: dict) -> dict:
+        """`params` laid out for a decode loop: per-layer buffers on CPU, where a loop over
+        stacked layers copies each layer's weights every step (`transformer.unstack_layers`);
+        unchanged elsewhere. `forward` takes either layout. The sampler calls it per chunk."""
+        if jax.default_backend() != "cpu":
+            return params
+        return transformer.unstack_layers(self.cfg, params)
+
     def init_cache(self, *, batch: int, max_length: int) -> layers.KVCache:
         """An empty KV cache for `batch` rows of at most `max_length` tokens."""
         return layers.init_cache(self.cfg, batch=batch, max_length=max_length)

@@ -53,6 +53,28 @@ def run_name(index: int) -> str:
     return f"blocks_{index}"
 
 
+def layer_name(run: int, index: int) -> str:
+    """Parameter-tree name of layer `index` of run `run` in per-layer params (`unstack_layers`)."""
+    return f"{run_name(run)}_layer_{index}"
+
+
+def unstack_layers(cfg: config_lib.ModelConfig, params: dict) -> dict:
+    """`params` with every layer run split into per-layer subtrees, which `forward` runs as an
+    unrolled loop instead of a scan.
+
+    Why: inside a scan (or any loop) over stacked [L, ...] weights, XLA:CPU copies each layer's
+    slice into a fresh buffer before its matmuls (a dot cannot read a dynamic slice in place),
+    so every decode step writes and reads every weight once more. Per-layer buffers, split once
+    before a decode loop, are read in place. Costs one copy of the weights per call and a
+    compile that grows with depth; `Model.decode_params` applies it on CPU.
+    """
+    out = {k: v for k, v in params.items() if not k.startswith("blocks_")}
+    for r, (_, _, length) in enumerate(cfg.layer_runs()):
+        for i in range(length):
+            out[layer_name(r, i)] = jax.tree.map(lambda a, i=i: a[i], params[run_name(r)])
+    return out
+
+
 class Block(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp_or_moe(norm(x))."""
 
@@ -95,6 +117,7 @@ class Transformer(nn.Module):
     mode: RoutingMode = RoutingMode.FREE
     impl: str = "auto"
     replay_missing: str = "error"
+    unrolled: bool = False  # per-layer params (`unstack_layers`): a loop, not a scan
 
     @nn.compact
     def __call__(self, tokens, *, ctx, kv, routing):
@@ -114,17 +137,24 @@ class Transformer(nn.Module):
                 "replay_ids": take(routing[0]) if (is_moe and routing) else None,
                 "replay_weights": take(routing[1]) if (is_moe and routing) else None,
             }
-            scanned = nn.scan(
-                Block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                in_axes=(0, nn.broadcast),
-                length=length,
-            )
-            block = scanned(
-                cfg, is_moe, self.mode, self.impl, self.replay_missing, name=run_name(r)
-            )
-            (x, kv), extras = block((x, kv), layer_in, ctx)
+            args = (cfg, is_moe, self.mode, self.impl, self.replay_missing)
+            if self.unrolled:
+                per_layer = []
+                for i in range(length):
+                    layer_i = jax.tree.map(lambda a, i=i: a[i], layer_in)
+                    block = Block(*args, name=layer_name(r, i))
+                    (x, kv), extras = block((x, kv), layer_i, ctx)
+                    per_layer.append(extras)
+                extras = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+            else:
+                scanned = nn.scan(
+                    Block,
+                    variable_axes={"params": 0},
+                    split_rngs={"params": True},
+                    in_axes=(0, nn.broadcast),
+                    length=length,
+                )
+                (x, kv), extras = scanned(*args, name=run_name(r))((x, kv), layer_in, ctx)
             run_extras.append((is_moe, length, extras))
         x = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="final_norm")(x)
         hidden = x
@@ -245,7 +275,8 @@ def forward(
     if routing is not None and routing_mode is not RoutingMode.FREE:
         to_layer_major = functools.partial(jnp.swapaxes, axis1=0, axis2=1)  # [L, B, T, K]
         replay = (to_layer_major(routing.expert_ids), to_layer_major(routing.expert_weights))
-    model = Transformer(cfg, routing_mode, dispatch_impl, replay_missing)
+    unrolled = run_name(0) not in params  # per-layer params (`unstack_layers`)
+    model = Transformer(cfg, routing_mode, dispatch_impl, replay_missing, unrolled)
     layer_ctx = {k: v for k, v in ctx.items() if k != "kv_positions"}
     logits, hidden, new_kv, run_extras = model.apply(
         {"params": params}, tokens, ctx=layer_ctx, kv=kv, routing=replay

@@ -141,3 +141,26 @@ def test_return_hidden_feeds_the_lm_head(params, tokens):
     assert out.hidden.shape == (2, 12, CFG.d_model)
     np.testing.assert_allclose(out.hidden @ params["lm_head"], out.logits, atol=1e-4, rtol=1e-4)
     assert forward(params, tokens).hidden is None
+
+
+@pytest.mark.parametrize("dense_layers", [(1,), ()])
+def test_per_layer_params_run_the_same_model(tokens, dense_layers):
+    # `unstack_layers` (the sampler's CPU decode layout) splits the layer runs (MoE, dense, MoE
+    # of one layer each; or one MoE run of three) into per-layer subtrees; forward runs them
+    # unrolled: the same logits, cache, trace and router statistics, free and replayed, prefill
+    # and one cached decode step.
+    cfg = CFG.replace(dense_layers=dense_layers)
+    fwd = jax.jit(functools.partial(model.forward, cfg), static_argnames="routing_mode")
+    params = model.init(cfg, jax.random.key(0))
+    per_layer = model.transformer.unstack_layers(cfg, params)
+    assert not any(k.startswith("blocks_") and "layer" not in k for k in per_layer)
+    cache = model.init_cache(cfg, batch=2, max_length=16)
+    want = fwd(params, tokens[:, :11], cache=cache)
+    got = fwd(per_layer, tokens[:, :11], cache=cache)
+    want_step = fwd(params, tokens[:, 11:], cache=want.cache)
+    got_step = fwd(per_layer, tokens[:, 11:], cache=got.cache)
+    replay = dict(routing=want.router, routing_mode=RoutingMode.REPLAY_IDS)
+    want_replay = fwd(params, tokens[:, :11], **replay)
+    got_replay = fwd(per_layer, tokens[:, :11], **replay)
+    for g, w in ((got, want), (got_step, want_step), (got_replay, want_replay)):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6), g, w)
