@@ -299,7 +299,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
             out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
             out.update({k: float(v) for k, v in prep.items()})
             out.update(fill.metrics)
-            out.update(gen.metrics())
+            out.update(gen.metrics(fill.batch))
             out["zve/zvp_rate"] = out.get("zve/rollout_zvp_rate", 0.0)
             out["optim/lr"] = float(lr_schedule(int(state.step) - 1))
             metrics.check_finite(step + 1, out, ["loss/loss", "optim/grad_norm"])
@@ -399,14 +399,27 @@ class _Generator:
             ),  # fmt: skip
         )
 
-    def metrics(self) -> dict[str, float]:
-        """train/* over every generated row; rollout/* timings summed over calls, rest averaged."""
+    def metrics(self, batch: zero_variance.Groups) -> dict[str, float]:
+        """train/* over every generated row; rollout/* timings summed over calls, rest averaged.
+
+        A step served wholly from carried-over groups generated nothing: its train/ reward and
+        accuracy are those of the `batch` it trains on (the curriculum reads the accuracy).
+        """
+        thr = self.s.advantage.success_threshold
+        if not self.parts:
+            raw = batch.raw_rewards if batch.raw_rewards is not None else batch.rewards
+            raw = np.asarray(raw, np.float32)[np.asarray(batch.valid, bool)]
+            return {
+                "train/reward_mean": float(raw.mean()) if raw.size else 0.0,
+                "train/accuracy": float((raw > thr).mean()) if raw.size else 0.0,
+                "train/generated_tokens": 0.0,
+                "train/rollouts": 0.0,
+            }
         rs = [res.rollout for res, _ in self.parts]
         ok = np.concatenate([np.asarray(r.reward_ok, bool) for r in rs])
         verifier = np.concatenate([np.asarray(r.rewards, np.float32) for r in rs])[ok]
         shaped = np.concatenate([s for _, s in self.parts])[ok]
         lengths = np.concatenate([np.asarray(r.lengths) for r in rs])
-        thr = self.s.advantage.success_threshold
         out = {
             "train/reward_mean": float(verifier.mean()) if verifier.size else 0.0,
             "train/accuracy": float((verifier > thr).mean()) if verifier.size else 0.0,
@@ -465,6 +478,12 @@ def _warm_start(s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progr
     bar = tqdm.tqdm(total=s.sft.steps, desc="warm start (SFT)", disable=not progress)
     for _ in range(s.sft.steps):
         exs = stream.take(s.sft.batch_size, accept=fits)
+        if not exs:
+            raise ValueError(
+                f"sft: no demonstration fits: prompts <= data.max_prompt_length={Tp} tokens and "
+                f"demonstrations <= the curriculum's largest max_new_tokens={width} (with the stop "
+                f"id) in {100 * s.sft.batch_size} draws; raise them, or set sft.steps=0"
+            )
         batch = sft.demonstration_batch(
             [encode(e) for e in exs], [target(e) for e in exs],
             prompt_length=Tp, completion_length=width, pad_id=tok.pad_id,

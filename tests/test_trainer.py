@@ -23,6 +23,7 @@ import pytest
 
 from espo import batching, checkpoint, metrics, testing, trainer, zero_variance
 from espo import config as config_lib
+from espo.data import sources, tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = [sys.executable, str(ROOT / "experiments" / "run.py")]
@@ -96,6 +97,30 @@ def test_tiny_run_writes_what_a_user_sees(straight):
     assert list((workdir / "tensorboard").rglob("events.out.tfevents*"))
 
 
+def test_warm_start_trains_on_the_worked_solutions(tmp_path, monkeypatch):
+    """With data.worked_solutions the SFT targets are the demonstrations (steps, then the answer
+    line), not the bare answers; a budget no demonstration fits is an error naming both limits."""
+    seen = []
+    batch_fn = trainer.sft.demonstration_batch
+
+    def spy(prompts, completions, **kw):
+        seen.extend(completions)
+        return batch_fn(prompts, completions, **kw)
+
+    monkeypatch.setattr(trainer.sft, "demonstration_batch", spy)
+    cfg = _config(train__steps=1, data__worked_solutions=True)
+    train_src, _ = sources.make_sources(config_lib.Settings.from_config(cfg).data)
+    demonstrations = {e.demonstration for e in train_src}
+    trainer.train(cfg, str(tmp_path / "run"), progress=False)
+    tok = tokenizer.CharTokenizer()
+    texts = {tok.decode(c) for c in seen}
+    assert len(seen) == cfg.sft.steps * cfg.sft.batch_size
+    assert texts <= demonstrations and all("=" in t and "\n" in t for t in texts)
+    cfg.curriculum.stages[1].max_new_tokens = cfg.curriculum.stages[0].max_new_tokens = 2
+    with pytest.raises(ValueError, match="sft: no demonstration fits.*max_new_tokens=2"):
+        trainer.train(cfg, str(tmp_path / "small"), progress=False)
+
+
 def test_resume_equals_uninterrupted(straight, tmp_path):
     """2 steps + checkpoint + 1 more step == 3 straight steps (the step-3 checkpoint removed)."""
     _resume_from_step_2(straight[0], tmp_path / "resumed")
@@ -120,7 +145,8 @@ def test_resume_with_carried_over_groups_equals_uninterrupted(tmp_path):
         host = c.restore_host(2)
     buffer = zero_variance.Groups.from_state_dict(checkpoint.arrays_from_json(host["buffer"]))
     assert buffer.num_groups == rows[2]["zve/carried_out"]
-    assert set(buffer.rows) == set(batching.ROW_FIELDS) and (buffer.ages == 1).all()
+    assert set(buffer.rows) == set(batching.ROW_FIELDS)
+    assert ((buffer.ages >= 1) & (buffer.ages <= 2)).all()  # zve.max_carry_over_steps=2
     _resume_from_step_2(tmp_path / "straight", tmp_path / "resumed", **CARRY_OVER)
     _assert_same_runs(_comparable(tmp_path / "resumed"), _comparable(tmp_path / "straight"))
 
@@ -179,7 +205,7 @@ def test_config_error_wording_names_the_key():
 def test_malformed_data_is_an_error_naming_file_and_line(tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n{bad\n')
-    cfg = _config(data__source="jsonl", data__path=str(data))
+    cfg = _config(data__source="jsonl", data__path=str(data), data__worked_solutions=False)
     with pytest.raises(ValueError, match=r"math\.jsonl.*line 3"):
         trainer.train(cfg, str(tmp_path / "run"), progress=False)
 
