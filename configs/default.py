@@ -5,10 +5,10 @@ Run:  make run   (= python experiments/run.py --config configs/default.py)
       python experiments/run.py --config configs/default.py --config.loss.name=grpo
 
 `get_config(arg)` takes a variant: "" (default) or "tiny" (the smallest shapes; the tests run it).
-A supervised warm start (`sft`) teaches the format and some arithmetic; RL then trains the whole
-"Each Prompt Matters" pipeline: curriculum -> pre-filter -> adaptive G -> FP8 rollout with
-length-aware scheduling and overlapped rewards -> shaping -> zero-variance elimination ->
-advantages -> old log-probs with router replay -> ESPO updates -> eval -> checkpoint.
+A supervised warm start (`sft`) on worked solutions teaches the format and the steps; RL then
+trains the whole "Each Prompt Matters" pipeline: curriculum -> pre-filter -> adaptive G -> FP8
+rollout with length-aware scheduling and overlapped rewards -> shaping -> zero-variance
+elimination -> advantages -> old log-probs with router replay -> ESPO updates -> eval -> checkpoint.
 Library modules never read this ConfigDict: `espo.config.Settings.from_config` turns each section
 into the frozen, validated dataclass of the module that owns it, before anything compiles.
 """
@@ -19,16 +19,15 @@ from ml_collections import config_dict
 _float = config_dict.placeholder(float)  # "None: the library's default for this setting"
 _int = config_dict.placeholder(int)
 
-# reasoning-gym basic_arithmetic ("Calculate 5 - 3.") at three difficulty levels (one task spec
-# per level, ";"-separated): two 1-digit terms, three 1-digit terms, two 2-digit terms. The
-# curriculum trains on the first two; the held-out eval covers all three.
-_PLAIN = "operators=+-:allow_parentheses=false:allow_negation=false"
+# reasoning-gym basic_arithmetic ("Calculate 7 - 3 - 6 - 10.") at three difficulty levels (one task
+# spec per level, ";"-separated): chains of three, four and five one-digit terms. The warm start
+# works them one step a line (`data.worked_solutions`), so held-out chains are made of steps that
+# training chains also take; the curriculum lengthens the chains; the held-out eval covers all
+# three.
+_PLAIN = "min_digits=1:max_digits=1:operators=+-:allow_parentheses=false:allow_negation=false"
 ARITHMETIC = ";".join(
-    [
-        f"basic_arithmetic:min_terms=2:max_terms=2:min_digits=1:max_digits=1:{_PLAIN}:difficulty=0",
-        f"basic_arithmetic:min_terms=3:max_terms=3:min_digits=1:max_digits=1:{_PLAIN}:difficulty=0.5",
-        f"basic_arithmetic:min_terms=2:max_terms=2:min_digits=2:max_digits=2:{_PLAIN}:difficulty=1",
-    ]
+    f"basic_arithmetic:min_terms={n}:max_terms={n}:{_PLAIN}:difficulty={level}"
+    for n, level in ((3, 0.0), (4, 0.5), (5, 1.0))
 )
 
 
@@ -92,6 +91,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.data.eval_path = ""  # separate held-out file; "" = split by eval_fraction
     c.data.eval_fraction = 0.1  # held-out share (by a stable hash of the prompt text)
     c.data.skip_bad_records = False  # True: skip and count malformed records instead of failing
+    c.data.worked_solutions = True  # SFT demonstrations work + / - chains a step a line
     c.data.max_prompt_length = 32  # prompts longer than this (tokens) are skipped (verl's filter)
 
     # ---- rollout: sampling (names as in vLLM / verl) and scheduling ------------------------------
@@ -107,7 +107,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- train: the RL loop (verl / TRL names) ---------------------------------------------------
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 150  # RL steps
+    c.train.steps = 100  # RL steps
     c.train.prompts_per_step = 16  # groups per optimiser batch (verl: train_batch_size)
     c.train.ppo_epochs = 1  # passes over each batch (verl: ppo_epochs, TRL: num_iterations)
     c.train.mini_batch_size = 0  # rows per optimiser update; 0 = the whole batch (one update)
@@ -120,7 +120,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- optimizer: optax AdamW, warmup + cosine, global-norm clipping ---------------------------
     c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.learning_rate = 2e-4  # peak learning rate
+    c.optimizer.learning_rate = 5e-5  # peak learning rate (2e-4 degrades the warm start)
     c.optimizer.warmup_steps = 10  # linear warmup
     c.optimizer.schedule = "cosine"  # cosine | constant (after warmup)
     c.optimizer.end_lr_ratio = 0.1  # cosine floor as a fraction of the peak
@@ -139,9 +139,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- curriculum: espo.curriculum stages, in order (Compass-Thinker-7B) -----------------------
     c.curriculum = ml_collections.ConfigDict()
+    # Budgets: the longest worked solution of a level (22, 32, 42 characters + the stop id) stays
+    # below the overlong penalty's onset, max_new_tokens * (1 - reward.overlong_cache_fraction).
     c.curriculum.stages = (
-        stage("easy", max_difficulty=0.0, steps=30),
-        stage("mixed", max_difficulty=0.5, steps=10**9),
+        stage("short", max_difficulty=0.0, steps=15, max_new_tokens=32),
+        stage("mixed", max_difficulty=0.5, steps=30, max_new_tokens=48),
+        stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=56),
     )
 
     # ---- eval: held-out greedy pass@1 and avg@k / pass@k -----------------------------------------
@@ -206,7 +209,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # ---- reward: shaping (espo.rewards.shaping); L_max is the stage's max_new_tokens -------------
     c.reward = ml_collections.ConfigDict()
     c.reward.overlong_weight = 0.5  # weight of the DAPO soft overlong penalty
-    c.reward.overlong_cache_fraction = 0.5  # L_cache as a fraction of max_new_tokens
+    c.reward.overlong_cache_fraction = 0.2  # L_cache as a fraction of max_new_tokens (DAPO: 0.2)
     c.reward.repetition_weight = 0.0  # weight of the repeated n-gram penalty
     c.reward.ngram_size = 4  # n of the repetition penalty
     c.reward.repetition_threshold = 0.0  # repetition ratio below this is free
@@ -219,8 +222,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         c.train.update(steps=2, prompts_per_step=2, micro_batch_size=8, mini_batch_size=16)
         c.sft.update(steps=2, batch_size=4)
         c.curriculum.stages = (
-            stage("easy", max_difficulty=0.5, steps=1, group_size=4, max_new_tokens=4),
-            stage("all", max_difficulty=1.0, steps=10**9, group_size=4, max_new_tokens=4),
+            stage("short", max_difficulty=0.5, steps=1, group_size=4, max_new_tokens=16),
+            stage("all", max_difficulty=1.0, steps=10**9, group_size=4, max_new_tokens=16),
         )
         c.zve.update(group_size=4, max_group_size=8)
         c.eval.update(every_steps=0, samples=2, num_prompts=4, batch_size=8)

@@ -36,6 +36,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # activations / matmuls
     c.data.source = "jsonl"  # jsonl | parquet | tfds
     c.data.path = "/path/to/math.jsonl"  # records with `prompt` and `answer` fields
+    c.data.worked_solutions = False  # the default's procedural demonstrations: not for files
     c.data.max_prompt_length = 512  # tokens; longer prompts are skipped
     c.sft.steps = 0  # a pretrained checkpoint needs no warm start
     c.rollout.temperature = 1.0  # Qwen3 thinking mode samples at T = 0.6-1.0
