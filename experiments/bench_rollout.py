@@ -1,9 +1,23 @@
 """Rollout benchmark: one table from one run on the same weights.
 
   python experiments/bench_rollout.py [--batch 64] [--new_tokens 128] [--quick]
-      [--only throughput,fp8,waste,detok,overlap]
+      [--only throughput,moe,fp8read,scaling,update,fp8,waste,detok,overlap]
+      [--peers transformers,vllm] [--vllm_python .venv-vllm/bin/python]
+
+  # issue 14's table: MoE sizes vs peers, roofline, FP8 read check, update, B/length scaling
+  python experiments/bench_rollout.py --only moe,fp8read,update,scaling --new_tokens 64
 
 Rows:
+  0. moe: per size (d128 E16; d256 E8/E32/E128 at fixed active parameters; `MOE_SIZES`),
+     B=64, --prompt_len 16, --new_tokens, temperature 1, each engine in its own process, back
+     to back on the same Hugging Face weights: espo f32 / f32 before issue 14 (blocked
+     dispatch, scanned layers) / bf16, transformers `generate`, and vLLM's CPU engine (f32 and
+     bf16) from its own virtualenv (`vllm_peer.py`; reported ABSENT when not installed). The
+     memory read bandwidth of a jitted 1 GiB reduction, per size the bytes a decode step must
+     read (`decode_step_bytes`) and the achieved fraction; the E=8 -> E=128 slowdown.
+     fp8read: does XLA:CPU's matmul read e4m3 bytes (the dot's operand dtype) and its time vs
+     f32 / bf16 at the E=128 decode shape. update: tokens/s of a forward + backward at E=8/32/
+     128, capacity vs blocked. scaling: E=128 tokens/s and peak memory, B and length;
   1. decode throughput: espo (f32, bf16, fp8 weights) vs Hugging Face transformers `generate`
      (torch CPU) on the same tiny Qwen3-MoE checkpoint, batch B, fixed-length completions;
   2. FP8 train-infer mismatch: mean |dlogp| of FP8 sampling vs the bf16 forward on the same
@@ -26,7 +40,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
+import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -56,15 +74,44 @@ def _never_stop(cfg) -> tuple[int, ...]:
     return (cfg.vocab_size,)
 
 
-def espo_decode_tokens_per_s(cfg, params, prompts, *, new_tokens, repeats=2):
+@dataclasses.dataclass(frozen=True)
+class WithDispatch:
+    """`model.Model(cfg)` with its MoE dispatch implementation bound (a SamplingModel)."""
+
+    cfg: model.ModelConfig
+    impl: str = "auto"
+    per_layer_params: bool = True  # False: the scanned [L, ...] layout (`Model.decode_params`)
+
+    num_layers = property(lambda self: self.cfg.num_layers)
+    top_k = property(lambda self: self.cfg.top_k)
+
+    def decode_params(self, params):
+        return model.Model(self.cfg).decode_params(params) if self.per_layer_params else params
+
+    def forward(self, params, tokens, **options):
+        return model.forward(self.cfg, params, tokens, dispatch_impl=self.impl, **options)
+
+    def init_cache(self, *, batch, max_length):
+        return model.init_cache(self.cfg, batch=batch, max_length=max_length)
+
+
+def _sample_fixed_length(cfg, params, prompts, *, new_tokens, impl="auto", key=0):
+    """The fixed-length sampler call; impl "blocked+stacked" is espo before issue 14 (blocked
+    dispatch, scanned [L, ...] weights in the decode loop)."""
+    impl, _, layout = impl.partition("+")
+    m = WithDispatch(cfg, impl, per_layer_params=layout != "stacked")
     lengths = np.full(len(prompts), prompts.shape[1])
-    run = functools.partial(
-        sampler.sample, model.Model(cfg), params, prompts, lengths, key=jax.random.key(0),
+    return functools.partial(
+        sampler.sample, m, params, prompts, lengths, key=jax.random.key(key),
         num_samples=1, max_new_tokens=new_tokens, stop_ids=_never_stop(cfg), pad_id=0,
         buckets=scheduling.LengthBuckets(
             prompt_buckets=(prompts.shape[1],), generation_buckets=(new_tokens,)
         ),
     )  # fmt: skip
+
+
+def espo_decode_tokens_per_s(cfg, params, prompts, *, new_tokens, repeats=2, impl="auto"):
+    run = _sample_fixed_length(cfg, params, prompts, new_tokens=new_tokens, impl=impl)
     return len(prompts) * new_tokens / _timed(lambda: run().tokens, repeats)
 
 
@@ -306,6 +353,223 @@ def gpu_decode_bandwidth(cfg, *, batch, new_tokens, repeats=3):
     return out
 
 
+# ---- MoE sizes: espo vs peers, each engine in its own process; the roofline ------------------
+# name -> Hugging Face Qwen3-MoE fields; all have 4 layers, top-4 of the experts, 4 query and 2
+# kv heads, expert width F=128 and 128 tokens. The first is configs/default.py's model class.
+MOE_SIZES = {
+    "d128 L4 E16 K4 h32": dict(hidden_size=128, num_experts=16, head_dim=32),
+    "d256 L4 E8 K4 h64": dict(hidden_size=256, num_experts=8, head_dim=64),
+    "d256 L4 E32 K4 h64": dict(hidden_size=256, num_experts=32, head_dim=64),
+    "d256 L4 E128 K4 h64": dict(hidden_size=256, num_experts=128, head_dim=64),
+}
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _size_checkpoint(tmp, name):
+    return testing.make_hf_checkpoint(
+        pathlib.Path(tmp) / name.replace(" ", "_"), vocab_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=4,
+        moe_intermediate_size=128, init_std=0.02, max_position_embeddings=2048,
+        **MOE_SIZES[name],
+    )  # fmt: skip
+
+
+def decode_step_bytes(cfg, *, batch, touched_experts, mean_length):
+    """Bytes one decode step must read: per layer attention, norms, router, the touched experts
+    (mean distinct experts per MoE layer and step) and the KV cache up to the mean valid length;
+    then the LM head and B embedding rows. A lower bound: cache padding is not counted."""
+    p, a = jnp.dtype(cfg.param_dtype).itemsize, jnp.dtype(cfg.dtype).itemsize
+    D, hd, H, N = cfg.d_model, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    attention = (2 * D * H * hd + 2 * D * N * hd + 2 * D + 2 * hd) * p
+    router = D * cfg.num_experts * p
+    experts = touched_experts * 3 * D * cfg.moe_ffn_dim * p
+    kv = batch * 2 * N * hd * mean_length * a
+    return (
+        cfg.num_layers * (attention + router + experts + kv)
+        + (D * cfg.vocab_size + batch * D + D) * p
+    )
+
+
+def _touched_experts(expert_ids):
+    """Mean number of distinct experts per (MoE layer, decode step) of a [B, L, T, K] trace."""
+    ids = np.moveaxis(np.asarray(expert_ids), 0, 2)  # [L, T, B, K]
+    ids = np.sort(ids.reshape(*ids.shape[:2], -1), axis=-1)  # [L, T, B*K]
+    return float(np.mean(1 + np.sum(np.diff(ids, axis=-1) != 0, axis=-1)))
+
+
+def _peak_rss_gb():
+    """This process's peak resident memory. VmHWM, not ru_maxrss: Linux carries ru_maxrss over
+    `exec`, so a worker would report its parent's peak (the 1 GiB bandwidth array)."""
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM")) / 2**20
+
+
+def espo_worker(path, *, batch, prompt_len, new_tokens, dtype, impl):
+    """tokens/s, touched experts and decode step bytes of espo's sampler on a checkpoint."""
+    cfg, params = model.load_hf_checkpoint(path)
+    if dtype == "bfloat16":
+        cfg, params = _as_bf16(cfg, params)
+    prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, prompt_len))
+    run = _sample_fixed_length(cfg, params, prompts, new_tokens=new_tokens, impl=impl)
+    seconds = _timed(lambda: run().tokens, 2)
+    ids = np.asarray(run().router.expert_ids)[:, list(cfg.moe_layers)]  # [B, L, T, K]
+    touched = _touched_experts(ids)
+    step = decode_step_bytes(
+        cfg, batch=batch, touched_experts=touched, mean_length=prompt_len + new_tokens / 2
+    )
+    return {"tokens_per_s": batch * new_tokens / seconds, "touched_experts": touched,
+            "step_bytes": step, "steps_per_s": new_tokens / seconds,
+            "peak_rss_gb": _peak_rss_gb()}  # fmt: skip
+
+
+def transformers_worker(path, *, batch, prompt_len, new_tokens, dtype, impl):
+    del dtype, impl  # float32 only, as a new user runs it
+    cfg, _ = model.load_hf_checkpoint(path)
+    prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, prompt_len))
+    tps = hf_decode_tokens_per_s(path, prompts, new_tokens=new_tokens)
+    return {"tokens_per_s": tps, "peak_rss_gb": _peak_rss_gb()}
+
+
+WORKERS = {"espo": espo_worker, "transformers": transformers_worker}
+
+
+def run_engine(engine, path, *, batch, prompt_len, new_tokens, dtype, impl="auto",
+               vllm_python=None):  # fmt: skip
+    """One engine's measurement in its own process: a dict, or None (the reason printed)."""
+    shape = ["--path", str(path), "--batch", str(batch), "--prompt_len", str(prompt_len),
+             "--new_tokens", str(new_tokens), "--dtype", dtype]  # fmt: skip
+    if engine == "vllm":
+        argv = [str(vllm_python), str(ROOT / "experiments" / "vllm_peer.py"), *shape]
+    else:
+        argv = [sys.executable, __file__, "--worker", engine, "--impl", impl, *shape]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"tokens_per_s"')]
+    if proc.returncode != 0 or not lines:  # (vLLM logs to stdout too)
+        print(f"{engine} {dtype} failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+        return None
+    print(f"  {path.name}: {engine} {dtype} {impl}: {lines[-1]}", file=sys.stderr, flush=True)
+    return json.loads(lines[-1])
+
+
+def read_bandwidth_gbs(*, gib=1.0, repeats=5):
+    """The machine's memory read bandwidth: a jitted row sum over `gib` GiB of float32."""
+    x = jnp.ones((64, int(gib * 2**30) // 4 // 64), jnp.float32)  # [64, n]
+    total = jax.jit(lambda a: jnp.sum(a, axis=1))
+    return x.nbytes / _timed(lambda: total(x), repeats) / 1e9
+
+
+def moe_sizes(*, peers, vllm_python, batch, prompt_len, new_tokens):
+    """Per size, back to back: espo (capacity f32, blocked f32, bf16) and the peers."""
+    table = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in MOE_SIZES:
+            run = functools.partial(
+                run_engine, path=_size_checkpoint(tmp, name), batch=batch,
+                prompt_len=prompt_len, new_tokens=new_tokens, vllm_python=vllm_python,
+            )  # fmt: skip
+            row = {"espo f32": run("espo", dtype="float32")}
+            row["espo f32 before (blocked, scanned layers)"] = run(
+                "espo", dtype="float32", impl="blocked+stacked"
+            )
+            row["espo bf16"] = run("espo", dtype="bfloat16")
+            if "transformers" in peers:
+                row["transformers f32"] = run("transformers", dtype="float32")
+            if "vllm" in peers:
+                row["vLLM f32"] = run("vllm", dtype="float32")
+                row["vLLM bf16"] = run("vllm", dtype="bfloat16")
+            table[name] = row
+    return table
+
+
+def _tps(result):
+    return float("nan") if result is None else result["tokens_per_s"]
+
+
+def moe_size_rows(table, *, bandwidth):
+    rows = []
+    for name, r in table.items():
+        espo = _tps(r["espo f32"])
+        for key, result in r.items():
+            ratio = "" if key == "espo f32" else f"espo f32 = {espo / _tps(result):.2f}x this"
+            rows.append((f"{name}: {key} tokens/s", f"{_tps(result):,.0f}", ratio))
+        vllm = [_tps(r[k]) for k in ("vLLM f32", "vLLM bf16") if r.get(k)]
+        if vllm:
+            rows.append((f"{name}: espo f32 / vLLM (its better dtype)",
+                         f"{espo / max(vllm):.2f}x", ""))  # fmt: skip
+        if r["espo f32"]:
+            e = r["espo f32"]
+            gbs = e["step_bytes"] * e["steps_per_s"] / 1e9
+            rows.append((f"{name}: f32 decode step reads (touched experts/layer "
+                         f"{e['touched_experts']:.1f})", f"{e['step_bytes'] / 1e6:.1f} MB",
+                         f"{gbs:.1f} GB/s = {gbs / bandwidth:.0%} of measured"))  # fmt: skip
+    first, last = list(table)[1], list(table)[-1]  # E=8 and E=128 at d256
+    for key in ("espo f32", "vLLM f32", "vLLM bf16", "transformers f32"):
+        if table[first].get(key) and table[last].get(key):
+            slow = _tps(table[first][key]) / _tps(table[last][key])
+            rows.append((f"slowdown E=8 -> E=128 (fixed active params), {key}", f"{slow:.2f}x", ""))
+    return rows
+
+
+def update_tokens_per_s(*, batch=16, length=80, repeats=2):
+    """The update's MoE cost at fixed active parameters: tokens/s of the gradient of the mean
+    token log-prob (one forward + backward, free routing) at the d256 sizes, capacity vs
+    blocked dispatch, in this process (the trainer's step adds the optimizer and the loss)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in list(MOE_SIZES)[1:]:
+            cfg, params = model.load_hf_checkpoint(_size_checkpoint(tmp, name))
+            tokens = jnp.asarray(np.random.RandomState(0).randint(2, 128, (batch, length)))
+            mask = jnp.ones((batch, length), bool)
+            for impl in ("capacity", "blocked"):
+                logps = functools.partial(train_step.token_logps, cfg, dispatch_impl=impl)
+                grad = jax.jit(jax.grad(lambda p: jnp.mean(logps(p, tokens, mask).logps)))  # noqa: B023
+                out[(name, impl)] = batch * length / _timed(lambda: grad(params), repeats)  # noqa: B023
+    return out
+
+
+def fp8_read_check(*, experts=128, d=256, f=128, capacity=4):
+    """Does XLA:CPU's matmul read e4m3 bytes, or a dequantized copy? The decode-shaped expert
+    matmul [E, C, D] x [E, D, F] with float32, bfloat16 and FP8 (dequantized in the jitted
+    function, as the model does) weights: time, and the dtype of the dot's weight operand."""
+    k = jax.random.split(jax.random.key(0), 2)
+    w = jax.random.normal(k[0], (experts, d, f)) / 16
+    x = jax.random.normal(k[1], (experts, capacity, d))
+    q = quant.quantize_tensor(w, num_in_axes=1, num_out_axes=1, granularity="channel")
+    cases = {
+        "f32": (lambda x, w: jnp.einsum("ecd,edf->ecf", x, w), (x, w)),
+        "bf16": (lambda x, w: jnp.einsum("ecd,edf->ecf", x, w, preferred_element_type=jnp.float32),
+                 (x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))),
+        "fp8 -> f32": (lambda x, q: jnp.einsum("ecd,edf->ecf", x, q.astype(jnp.float32)), (x, q)),
+    }  # fmt: skip
+    out = {}
+    for name, (fn, args) in cases.items():
+        jitted = jax.jit(fn)
+        hlo = jitted.lower(*args).compile().as_text()
+        dots = [ln for ln in hlo.splitlines() if " dot(" in ln or "custom-call(" in ln]
+        weight_bytes = args[1].nbytes
+        seconds = _timed(lambda: jitted(*args), 20)  # noqa: B023
+        out[name] = {
+            "ms": seconds * 1e3,
+            "reads_e4m3": any("f8e4m3" in ln for ln in dots),
+            "GB_per_s": weight_bytes / seconds / 1e9,
+        }
+    return out
+
+
+def scaling(*, batches, lengths, prompt_len, name="d256 L4 E128 K4 h64"):
+    """espo f32 tokens/s and peak RSS at the E=128 size: B at 64 new tokens, then lengths at
+    B=64; each point in its own process."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _size_checkpoint(tmp, name)
+        points = [(b, 64) for b in batches] + [(64, n) for n in lengths if n != 64]
+        for b, n in points:
+            out[(b, n)] = run_engine(
+                "espo", path, batch=b, prompt_len=prompt_len, new_tokens=n, dtype="float32"
+            )
+    return out
+
+
 def _config_model(variant):
     """The `model` section of configs/default.py (variant "" or "tiny")."""
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
@@ -345,21 +609,83 @@ def throughput_rows(variant, *, batch, new_tokens):
     return rows, cfg, params
 
 
-SECTIONS = ("throughput", "fp8", "waste", "detok", "overlap", "gpu")
+SECTIONS = (
+    "throughput",
+    "moe",
+    "fp8read",
+    "scaling",
+    "update",
+    "fp8",
+    "waste",
+    "detok",
+    "overlap",
+    "gpu",
+)
+PEERS = ("transformers", "vllm")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new_tokens", type=int, default=128)
+    ap.add_argument("--prompt_len", type=int, default=16, help="moe and scaling sections")
     ap.add_argument("--quick", action="store_true", help="smaller workloads (for tests)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections among {SECTIONS}")
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"moe section peers among {PEERS}")
+    ap.add_argument(
+        "--vllm_python",
+        default=os.environ.get("ESPO_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
+        help="the interpreter of vLLM's own virtualenv (env ESPO_VLLM_PYTHON)",
+    )
+    ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    ap.add_argument("--impl", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:  # one engine's measurement, in this process, as one JSON line
+        result = WORKERS[args.worker](
+            args.path, batch=args.batch, prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens, dtype=args.dtype, impl=args.impl,
+        )  # fmt: skip
+        print(json.dumps(result))
+        return
     only = set(args.only.split(","))
     if not only <= set(SECTIONS):
         ap.error(f"--only={args.only!r}: sections must be among {SECTIONS}")
+    peers = set(args.peers.split(",")) - {""}
+    if not peers <= set(PEERS):
+        ap.error(f"--peers={args.peers!r}: peers must be among {PEERS}")
+    if "vllm" in peers and not pathlib.Path(args.vllm_python).exists():
+        print(f"vLLM peer: ABSENT, no interpreter at {args.vllm_python} (see vllm_peer.py)")
+        peers.discard("vllm")
     B, T = (8, 16) if args.quick else (args.batch, args.new_tokens)
     rows = []
+    if only & {"moe", "fp8read"}:
+        bandwidth = read_bandwidth_gbs()
+        rows.append(("memory read bandwidth (jitted 1 GiB f32 reduction)",
+                     f"{bandwidth:.1f} GB/s", ""))  # fmt: skip
+    if "moe" in only:
+        table = moe_sizes(
+            peers=peers, vllm_python=args.vllm_python, batch=B, prompt_len=args.prompt_len,
+            new_tokens=T,
+        )  # fmt: skip
+        rows += moe_size_rows(table, bandwidth=bandwidth)
+    if "fp8read" in only:
+        for name, r in fp8_read_check().items():
+            rows.append((f"E=128 decode expert matmul [128,4,256]x[128,256,128], {name} weights",
+                         f"{r['ms']:.2f} ms", f"{r['GB_per_s']:.1f} GB/s of stored weight bytes; "
+                         f"dot reads e4m3: {r['reads_e4m3']}"))  # fmt: skip
+    if "update" in only:
+        for (name, impl), tps in update_tokens_per_s().items():
+            rows.append((f"update (grad of mean log-prob, B=16 T=80) {name}, {impl}",
+                         f"{tps:,.0f}", "tokens/s"))  # fmt: skip
+    if "scaling" in only:
+        batches, lengths = ((8, 16), (64,)) if args.quick else ((16, 64, 256), (64, 256, 1024))
+        for (b, n), r in scaling(
+            batches=batches, lengths=lengths, prompt_len=args.prompt_len
+        ).items():
+            rows.append((f"E=128 espo f32, B={b}, {n} new tokens", f"{_tps(r):,.0f}",
+                         "" if r is None else f"peak RSS {r['peak_rss_gb']:.2f} GB"))  # fmt: skip
     if "throughput" in only:
         rows += throughput_rows("tiny", batch=B, new_tokens=T)[0]
         if not args.quick:

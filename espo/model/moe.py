@@ -167,8 +167,9 @@ def _capacity_ffn(xs, group_sizes, w_gate, w_up, w_down, *, capacity):
 
     Row j of group e sits at slot (e, j) when j < C: one batched SwiGLU reads every expert's
     weights once, in place (no gather, so its gradient is three einsums straight into [E, D, F]);
-    rows at rank >= C go through `_overflow_ffn`. Costs E*C rows of compute: the default C keeps
-    that near 2x the real rows, and the weight read is the same for any C.
+    rows at rank >= C go through `_overflow_ffn`. Costs E*C rows of compute (the default C:
+    ~1.25x the real rows, up to 2x at decode from the rounding) and reads all E experts, touched
+    or not; the weight read is the same for any C.
     """
     R, D = xs.shape
     E, C = w_gate.shape[0], capacity
@@ -194,6 +195,7 @@ def _capacity_ffn(xs, group_sizes, w_gate, w_up, w_down, *, capacity):
 
 
 def _overflow_tile(capacity: int) -> int:
+    """Rows per overflow tile: each tile reads one expert's weights, so not too few rows."""
     return min(64, max(8, capacity))
 
 

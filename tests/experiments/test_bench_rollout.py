@@ -66,3 +66,39 @@ def test_fp8_mismatch_section(bench):
     mm = bench.fp8_mismatch(cfg, params, prompts, new_tokens=8)
     assert 0 <= mm["mean_abs_dlogp"] < 0.5 and 0.5 < mm["greedy_agreement"] <= 1
     assert 0 <= mm["router_disagreement"] < 0.5 and mm["weight_bytes_ratio"] <= 0.55
+
+
+def test_decode_step_bytes_by_hand(bench):
+    # D=4, head 2, H=2, N=1, E=3, F=5, V=7, L=2, float32; B=3, 2.5 touched experts, length 10.
+    # Per layer: attention (q, o: 2*4*2*2 = 32; k, v: 2*4*1*2 = 16; norms 2*4 + q/k norms 2*2)
+    # = 60 floats; router 4*3 = 12; experts 2.5 * 3*4*5 = 150; KV 3 * 2*1*2 * 10 = 120: 342.
+    # Model: 2 * 342 + LM head 4*7 + 3 embedding rows of 4 + final norm 4 = 728 floats.
+    cfg = model.ModelConfig(
+        vocab_size=7, d_model=4, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2,
+        num_experts=3, top_k=2, moe_ffn_dim=5,
+    )  # fmt: skip
+    got = bench.decode_step_bytes(cfg, batch=3, touched_experts=2.5, mean_length=10)
+    assert got == 728 * 4
+
+
+def test_touched_experts_counts_distinct_experts_per_layer_and_step(bench):
+    # [B=2, L=1, T=2, K=2]: step 0 touches {0, 1, 2}, step 1 {0, 1}: mean 2.5.
+    ids = np.array([[[[0, 1], [0, 1]]], [[[1, 2], [1, 0]]]])
+    assert bench._touched_experts(ids) == 2.5
+
+
+def test_engines_run_in_their_own_process(bench, tmp_path):
+    path = testing.make_hf_checkpoint(tmp_path / "ckpt", num_experts=8, num_experts_per_tok=2)
+    shape = dict(batch=2, prompt_len=4, new_tokens=4, dtype="float32")
+    for impl in ("auto", "blocked+stacked"):
+        out = bench.run_engine("espo", path, impl=impl, **shape)
+        assert out["tokens_per_s"] > 0 and 1 <= out["touched_experts"] <= 8
+        assert out["step_bytes"] > 0 and out["peak_rss_gb"] > 0
+    # A failing worker (no checkpoint there) is reported and gives None, not a crash.
+    assert bench.run_engine("espo", tmp_path / "missing", **shape) is None
+
+
+def test_fp8_read_check_names_the_dot_operand_dtype(bench):
+    out = bench.fp8_read_check(experts=4, d=8, f=8, capacity=2)
+    assert set(out) == {"f32", "bf16", "fp8 -> f32"}
+    assert all(r["ms"] > 0 and r["reads_e4m3"] in (True, False) for r in out.values())
