@@ -385,6 +385,25 @@ def test_fp8_params_sample_transparently(params):
     assert out.tokens.shape == (6, 16) and int(out.lengths.max()) <= 12
 
 
+def test_decode_loop_reads_the_model_decode_params_layout(params):
+    # On CPU `Model.decode_params` splits the scanned [L, ...] weights per layer (read in place
+    # by the decode loop; XLA:CPU copies a scanned layer's slice every step), and the sampler
+    # passes that layout to the model: the samples are the scanned layout's, bit for bit.
+    layouts = []
+    real = model.Model.decode_params
+
+    def record(self, p):
+        layouts.append(real(self, p))
+        return layouts[-1]
+
+    with mock.patch.object(model.Model, "decode_params", record):
+        out = _sample(params)
+    assert layouts and (jax.default_backend() != "cpu" or "blocks_0_layer_1" in layouts[0])
+    with mock.patch.object(model.Model, "decode_params", lambda self, p: p):
+        stacked = _sample(params)
+    chex.assert_trees_all_equal(out, stacked)
+
+
 def test_buckets_bound_compiles_and_budget(params):
     _sample(params, max_new_tokens=12)
     before = sampler.compile_count()
