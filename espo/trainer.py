@@ -406,23 +406,21 @@ class _Generator:
         accuracy are those of the `batch` it trains on (the curriculum reads the accuracy).
         """
         thr = self.s.advantage.success_threshold
-        if not self.parts:
-            raw = batch.raw_rewards if batch.raw_rewards is not None else batch.rewards
-            raw = np.asarray(raw, np.float32)[np.asarray(batch.valid, bool)]
-            return {
-                "train/reward_mean": float(raw.mean()) if raw.size else 0.0,
-                "train/accuracy": float((raw > thr).mean()) if raw.size else 0.0,
-                "train/generated_tokens": 0.0,
-                "train/rollouts": 0.0,
-            }
         rs = [res.rollout for res, _ in self.parts]
-        ok = np.concatenate([np.asarray(r.reward_ok, bool) for r in rs])
-        verifier = np.concatenate([np.asarray(r.rewards, np.float32) for r in rs])[ok]
-        shaped = np.concatenate([s for _, s in self.parts])[ok]
-        lengths = np.concatenate([np.asarray(r.lengths) for r in rs])
+        if rs:
+            ok = np.concatenate([np.asarray(r.reward_ok, bool) for r in rs])
+            verifier = np.concatenate([np.asarray(r.rewards, np.float32) for r in rs])[ok]
+        else:  # served wholly from carried-over groups
+            verifier = batch.verifier_rewards[batch.valid]
         out = {
             "train/reward_mean": float(verifier.mean()) if verifier.size else 0.0,
             "train/accuracy": float((verifier > thr).mean()) if verifier.size else 0.0,
+        }
+        if not rs:
+            return out | {"train/generated_tokens": 0.0, "train/rollouts": 0.0}
+        shaped = np.concatenate([s for _, s in self.parts])[ok]
+        lengths = np.concatenate([np.asarray(r.lengths) for r in rs])
+        out |= {
             "train/shaped_reward_mean": float(shaped.mean()) if shaped.size else 0.0,
             "train/response_length": float(lengths.mean()),
             "train/generated_tokens": float(lengths.sum()),
