@@ -32,14 +32,15 @@ def arithmetic_solution(expression: str) -> str:
     terms, ops = tokens[::2], tokens[1::2]
     bad_term = next((t for t in terms if not _is_int(t)), None)
     bad_op = next((o for o in ops if o not in OPERATORS), None)
-    if not tokens or len(tokens) % 2 == 0 or bad_term is not None or bad_op is not None:
-        what = (
-            f"term {bad_term!r}"
-            if bad_term is not None
-            else f"operator {bad_op!r}"
-            if bad_op is not None
-            else "its shape"
-        )
+    if bad_term is not None:
+        what = f"term {bad_term!r}"
+    elif bad_op is not None:
+        what = f"operator {bad_op!r}"
+    elif not tokens or len(tokens) % 2 == 0:
+        what = "its shape"
+    else:
+        what = ""
+    if what:
         raise ValueError(
             f"worked solution of {expression!r}: {what} is not supported; valid: integer terms "
             f"joined by {' or '.join(OPERATORS)} with spaces (no parentheses, * or /)"
