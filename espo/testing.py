@@ -8,6 +8,7 @@ Importing this module needs only espo; building Hugging Face models needs the `t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import pathlib
@@ -94,6 +95,27 @@ def hf_forward(path, tokens: np.ndarray, *, attention_mask=None, position_ids=No
             position_ids=as_t(position_ids),
         )
     return out.logits.float().numpy(), picked
+
+
+# ---- losses --------------------------------------------------------------------------------
+
+
+@functools.cache
+def num_den_grad(cfg):
+    """jit((batch) -> (numerator, denominator, d numerator / d logps)) of
+    `espo.losses.compute_loss` under the `LossConfig` cfg, compiled once per cfg."""
+    from espo import losses
+
+    @jax.jit
+    def f(batch):
+        def num(logps):
+            out = losses.compute_loss(cfg, **{**batch, "logps": logps})
+            return out.numerator, out.denominator
+
+        (n, d), g = jax.value_and_grad(num, has_aux=True)(batch["logps"])
+        return n, d, g
+
+    return f
 
 
 # ---- reward functions for the reward-pool tests (importable by spawned worker processes) ------

@@ -12,7 +12,6 @@ The wrong answers a plausible bug gives are noted beside the right ones.
 """
 
 import dataclasses
-import functools
 import math
 import re
 
@@ -26,6 +25,7 @@ import pytest
 from absl.testing import parameterized
 
 from espo import correction, losses
+from espo.testing import num_den_grad
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -225,22 +225,6 @@ configs = st.builds(
     lambda c, k: loss_config(**c, **k), st.sampled_from(LOSS_CONFIGS), st.sampled_from(CORRECTIONS)
 )
 seeds = st.integers(0, 2**16)
-
-
-@functools.cache
-def num_den_grad(cfg: losses.LossConfig):
-    """jit((batch) -> (numerator, denominator, d numerator / d logps)), compiled once per cfg."""
-
-    @jax.jit
-    def f(batch):
-        def num(logps):
-            out = losses.compute_loss(cfg, **{**batch, "logps": logps})
-            return out.numerator, out.denominator
-
-        (n, d), g = jax.value_and_grad(num, has_aux=True)(batch["logps"])
-        return n, d, g
-
-    return f
 
 
 def make_batch(seed, *, mismatch=0.3):

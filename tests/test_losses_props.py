@@ -9,16 +9,15 @@
 All with asymmetric clip ranges, a KL term and failed (all-padding) rows.
 """
 
-import functools
 import math
 
 import hypothesis
 import hypothesis.strategies as st
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from espo import losses
+from espo.testing import num_den_grad
 
 B, T = 4, 6
 
@@ -35,22 +34,6 @@ MICRO_BATCH_CONFIGS = [
     dict(name="cispo", clip_low=0.2, clip_high=0.1, kl_coef=0.05),
     dict(name="cispo", agg="seq-mean-token-mean", clip_low=0.5, clip_high=0.05),
 ]
-
-
-@functools.cache
-def num_den_grad(cfg: losses.LossConfig):
-    """jit((batch) -> (numerator, denominator, d numerator / d logps)), compiled once per cfg."""
-
-    @jax.jit
-    def f(batch):
-        def num(logps):
-            out = losses.compute_loss(cfg, **{**batch, "logps": logps})
-            return out.numerator, out.denominator
-
-        (n, d), g = jax.value_and_grad(num, has_aux=True)(batch["logps"])
-        return n, d, g
-
-    return f
 
 
 def make_batch(seed, *, scale=0.3):
