@@ -56,8 +56,8 @@ class Model:
         self, params: dict, tokens: Int[Array, "B T"], **options
     ) -> transformer.ModelOutput:
         """`transformer.forward(cfg, params, tokens, **options)`: every keyword of that function
-        (positions, attention_mask, cache, routing, routing_mode, dispatch_impl, return_hidden,
-        replay_missing) with its meaning and default."""
+        (positions, attention_mask, segment_ids, cache, routing, routing_mode, dispatch_impl,
+        return_hidden, replay_missing) with its meaning and default."""
         return transformer.forward(self.cfg, params, tokens, **options)
 
     def decode_params(self, params: dict) -> dict:

@@ -4,6 +4,8 @@ Invariants:
   * Attention masks are built from *positions*, not indices: a key is visible to a query when it
     is a real token (`kv_positions >= 0`) at a position <= the query's (and within the sliding
     window). Left padding, right padding and cached decoding therefore share one code path.
+    Packed rows (several sequences end to end, `segment_ids`) add one test: the key is in the
+    query's segment.
   * The KV cache is a value (`KVCache`) passed in and returned; nothing is stored in the module.
   * Softmax and norms are computed in float32 whatever the compute dtype.
 """
@@ -97,13 +99,22 @@ def attention_mask(
     q_positions: Int[Array, "B T"],
     kv_positions: Int[Array, "B S"],
     sliding_window: int | None,
+    q_segments: Int[Array, "B T"] | None = None,
+    kv_segments: Int[Array, "B S"] | None = None,
 ) -> Bool[Array, "B T S"]:
-    """Visibility of each key slot to each query: real, causal, within the window."""
+    """Visibility of each key slot to each query: real, causal, within the window, and (packed
+    rows, `q_segments` / `kv_segments` given) in the query's own segment: block-diagonal.
+
+    Positions restart in every segment, so "causal by position" is causal only within one
+    segment; the segment test is what keeps a sequence from reading its row neighbours.
+    """
     q = q_positions[:, :, None]  # [B, T, 1]
     k = kv_positions[:, None, :]  # [B, 1, S]
     visible = (k >= 0) & (k <= q)
     if sliding_window is not None:
         visible &= q - k < sliding_window
+    if q_segments is not None:
+        visible &= q_segments[:, :, None] == kv_segments[:, None, :]  # [B, T, S]
     return visible
 
 

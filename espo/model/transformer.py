@@ -173,7 +173,7 @@ def init(cfg: config_lib.ModelConfig, key: jax.Array) -> dict:
     """Random parameters (a plain nested dict) for `cfg`."""
     model = Transformer(cfg)
     tokens = jnp.zeros((1, 1), jnp.int32)
-    ctx = _context(cfg, tokens, positions=None, attention_mask=None, cache=None)
+    ctx = _context(cfg, tokens, positions=None, attention_mask=None, cache=None, segment_ids=None)
     return jax.jit(lambda k: model.init(k, tokens, ctx=ctx, kv=None, routing=None)["params"])(key)
 
 
@@ -182,10 +182,21 @@ def param_shapes(cfg: config_lib.ModelConfig) -> dict:
     return jax.eval_shape(functools.partial(init, cfg), jax.random.key(0))
 
 
-def _context(cfg, tokens, *, positions, attention_mask, cache):
+def segment_positions(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """0, 1, ... within each run of equal segment ids (RoPE restarting per packed sequence)."""
+    t = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
+    )  # [B, T] first token of a segment
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)  # [B, T]
+
+
+def _context(cfg, tokens, *, positions, attention_mask, cache, segment_ids):
     """Positions, visibility mask and cache bookkeeping shared by every layer."""
     B, T = tokens.shape
     token_mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
+    if segment_ids is not None and positions is None:  # (forward folded segment 0 into the mask)
+        positions = segment_positions(segment_ids)  # [B, T]
     if positions is None:
         offset = 0 if cache is None else jnp.max(cache.kv_positions, axis=1, keepdims=True) + 1
         positions = offset + jnp.maximum(jnp.cumsum(token_mask, axis=1) - 1, 0)  # [B, T]
@@ -198,7 +209,11 @@ def _context(cfg, tokens, *, positions, attention_mask, cache):
             cache.kv_positions, kv_positions, (0, cache.index)
         )  # [B, S]
     mask = layers.attention_mask(
-        q_positions=positions, kv_positions=kv_positions, sliding_window=cfg.sliding_window
+        q_positions=positions,
+        kv_positions=kv_positions,
+        sliding_window=cfg.sliding_window,
+        q_segments=segment_ids,
+        kv_segments=segment_ids,
     )  # [B, T, S]
     return {
         "positions": positions,
@@ -216,6 +231,7 @@ def forward(
     *,
     positions: Int[Array, "B T"] | None = None,
     attention_mask: Bool[Array, "B T"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
     cache: layers.KVCache | None = None,
     routing: types.RouterTrace | None = None,
     routing_mode: RoutingMode = RoutingMode.FREE,
@@ -230,6 +246,11 @@ def forward(
       positions: int [B, T]; by default the count of real tokens before each one (continuing
         after the cache's last position), which handles left padding.
       attention_mask: bool [B, T]; False marks padding, which no query attends to.
+      segment_ids: int [B, T], packed rows (`espo.packing`): several sequences end to end,
+        numbered 1, 2, ... per row, 0 on padding. Attention is block-diagonal by segment and
+        causal; positions default to 0, 1, ... restarting in every segment; segment 0 is
+        padding everywhere (attention, router aux / z losses, replay checks), as if
+        attention_mask were False there. `routing` is packed like the tokens. No cache.
       cache: a `KVCache`; the T tokens are written at slots [cache.index, cache.index + T).
       routing: a `RouterTrace` [B, L, T, K] to replay (required unless routing_mode is FREE).
       routing_mode: static; see `RoutingMode`.
@@ -252,6 +273,15 @@ def forward(
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     B, T = tokens.shape
     K, L = cfg.top_k, cfg.num_layers
+    if segment_ids is not None:
+        if segment_ids.shape != tokens.shape:
+            raise ValueError(
+                f"segment_ids must have the shape of tokens {tokens.shape}, got {segment_ids.shape}"
+            )
+        if cache is not None:
+            raise ValueError("segment_ids (packed rows) are for full forwards: pass no cache")
+        real = segment_ids > 0  # [B, T]
+        attention_mask = real if attention_mask is None else attention_mask.astype(bool) & real
     if replay_missing not in moe.REPLAY_MISSING:
         raise ValueError(
             f"replay_missing={replay_missing!r} is invalid: one of {moe.REPLAY_MISSING}"
@@ -269,7 +299,14 @@ def forward(
         )
         if replay_missing == "error" and concrete:
             check_replay(cfg, routing, attention_mask)
-    ctx = _context(cfg, tokens, positions=positions, attention_mask=attention_mask, cache=cache)
+    ctx = _context(
+        cfg,
+        tokens,
+        positions=positions,
+        attention_mask=attention_mask,
+        cache=cache,
+        segment_ids=segment_ids,
+    )
     kv = None if cache is None else (cache.k, cache.v)
     replay = None
     if routing is not None and routing_mode is not RoutingMode.FREE:
