@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import types, zero_variance
+from espo import packing, types, zero_variance
 
 
 @flax.struct.dataclass
@@ -172,22 +172,45 @@ def unsplit(tree):
     return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape((-1,) + x.shape[2:]), tree)
 
 
+@flax.struct.dataclass
+class PackedMiniBatch:
+    """A mini-batch for a packed update (`train.packing`): its rows [n, ...] and where they go
+    in packed micro-batches of one row of `train.max_tokens_per_micro_batch` tokens each."""
+
+    batch: TrainBatch  # [n, ...] (device)
+    layout: packing.Layout  # host ints; the number of packed rows is a `packing.bucket`
+
+
 def minibatches(
-    batch: TrainBatch, *, mini_batch_size: int, micro_batch_size: int, epochs: int, key
+    batch: TrainBatch,
+    *,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    epochs: int,
+    key,
+    packing_budget: int | None = None,
 ):
-    """Yields `epochs` passes of mini-batches, each [num_micro, micro, ...] (device arrays).
+    """Yields `epochs` passes of mini-batches, each [num_micro, micro, ...] (device arrays), or
+    with `packing_budget` a `PackedMiniBatch` (micro-batches formed by token budget; a sequence
+    longer than the budget is an error naming it and the budget).
 
     Each epoch draws a new row permutation from `key` (fold_in by epoch), as verl shuffles its
     mini-batches, when there is more than one mini-batch or more than one epoch.
     """
     n = batch.num_rows
     num_mini = n // mini_batch_size
+    host_mask = None if packing_budget is None else np.asarray(batch.attention_mask, bool)
     for epoch in range(epochs):
-        shuffled = batch
+        shuffled, perm = batch, np.arange(n)
         if num_mini > 1 or epochs > 1:
             perm = jax.random.permutation(jax.random.fold_in(key, epoch), n)
             shuffled = jax.tree.map(functools.partial(jnp.take, indices=perm, axis=0), batch)
         minis = split(shuffled, num_mini)
         for i in range(num_mini):
             mini = jax.tree.map(operator.itemgetter(i), minis)
-            yield split(mini, mini_batch_size // micro_batch_size)
+            if packing_budget is None:
+                yield split(mini, mini_batch_size // micro_batch_size)
+            else:
+                mask = split(host_mask[np.asarray(perm)], num_mini)[i]  # mini's rows, in order
+                layout = packing.layout(mask, budget=packing_budget)
+                yield PackedMiniBatch(batch=mini, layout=layout)

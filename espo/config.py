@@ -57,6 +57,8 @@ class TrainConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # rows per optimiser update; 0 = the whole batch
     micro_batch_size: int = 64  # rows per forward / backward
+    packing: bool = False  # packed updates: micro-batches of max_tokens_per_micro_batch tokens
+    max_tokens_per_micro_batch: int = 4096  # packed row length (train.packing only)
     router_replay: bool = True
     old_logps: str = "recompute"
     espo_entropy: str = "old"
@@ -79,6 +81,12 @@ class TrainConfig:
                 ),
                 "micro_batch_size": (
                     _is_int(self.micro_batch_size) and self.micro_batch_size >= 1,
+                    "an int >= 1",
+                ),
+                "packing": (isinstance(self.packing, bool), "True or False"),
+                "max_tokens_per_micro_batch": (
+                    _is_int(self.max_tokens_per_micro_batch)
+                    and self.max_tokens_per_micro_batch >= 1,
                     "an int >= 1",
                 ),
                 "router_replay": (isinstance(self.router_replay, bool), "True or False"),
@@ -299,6 +307,14 @@ class Settings:
             dict(every_steps=ev.pop("every_steps"), num_prompts=ev.pop("num_prompts")),
             "eval",
         )
+        train = build(TrainConfig, c.train, "train")
+        longest = max_prompt_length + curr.max_new_tokens
+        if train.packing and train.max_tokens_per_micro_batch < longest:
+            raise ConfigError(
+                f"--config.train.max_tokens_per_micro_batch={train.max_tokens_per_micro_batch!r}"
+                f" is invalid: >= data.max_prompt_length + the largest max_new_tokens ({longest})"
+                " with train.packing (a packed row holds whole sequences)"
+            )
         loss = dict(c.loss.to_dict())
         build(losses.LossConfig, loss, "loss", vocab_size=model.get("vocab_size") or 2)
         adv = dict(c.advantage.to_dict(), rl_zvp=c.zve.mode == "rl_zvp")
@@ -310,7 +326,7 @@ class Settings:
             data=build(data_examples.DataConfig, data, "data", seed=c.seed),
             max_prompt_length=max_prompt_length,
             rollout=build(RolloutConfig, c.rollout, "rollout"),
-            train=build(TrainConfig, c.train, "train"),
+            train=train,
             optimizer=build(OptimizerConfig, c.optimizer, "optimizer"),
             sft=build(SftConfig, c.sft, "sft"),
             curriculum=curr,

@@ -15,12 +15,18 @@ gradient scatters back to the packed positions. The losses then run on the unpac
 every per-sequence quantity (seq-mean aggregations, GSPO / ESPO ratios, ESPO's entropy groups,
 sequence IS weights) is per segment by construction: a segment never shares a row of the loss.
 Invariant: unpack(pack(x)) == x on every real token, and 0 elsewhere.
+
+For the update the packing runs on the device: `layout` plans a batch on the host (numpy ints
+only: `Layout`, one packed row of the budget per micro-batch, the number of rows rounded up to
+a power of two so a run compiles a bounded set of shapes) and `gather` moves device arrays
+(tokens, the router trace) into the packed rows inside the jitted step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
@@ -75,6 +81,16 @@ class Packing:
             dst[axis] = slice(self.offset[n], self.offset[n] + self.length[n])
             out[tuple(dst)] = x[tuple(src)]
         return out
+
+    def pack_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, cols), each [R, L]: packed (r, l) reads unpacked (rows, cols) where its
+        segment id is > 0 (0, 0 on padding): the index of `gather`."""
+        rows, cols = np.zeros((2, self.num_rows, self.budget), np.int32)
+        for n in np.flatnonzero(self.row >= 0):
+            seg = slice(self.offset[n], self.offset[n] + self.length[n])
+            rows[self.row[n], seg] = n
+            cols[self.row[n], seg] = np.arange(self.start[n], self.start[n] + self.length[n])
+        return rows, cols
 
     def unpack_index(self, num_columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, cols, valid), each [N, T]: unpacked (n, t) reads packed (rows, cols) if valid."""
@@ -139,3 +155,60 @@ def unpack(
     and the gradient of the result scatters back to the packed positions."""
     rows, cols, valid = index
     return jnp.where(valid, packed[rows, cols], jnp.zeros((), packed.dtype))  # [N, T]
+
+
+def gather(
+    x: Array, *, rows: Int[Array, "R L"], cols: Int[Array, "R L"], real: Bool[Array, "R L"],
+    axis: int = 1, fill=0,
+) -> Array:  # fmt: skip
+    """Jittable `Packing.pack`: [N, ..., T (at `axis`), ...] -> [R, ..., L, ...], reading
+    unpacked (rows, cols) (`Packing.pack_index`) where `real`, `fill` elsewhere."""
+    taken = jnp.moveaxis(x, axis, 1)[rows, cols]  # [R, L, ...]
+    real = real.reshape(real.shape + (1,) * (taken.ndim - 2))
+    return jnp.moveaxis(jnp.where(real, taken, jnp.asarray(fill, x.dtype)), 1, axis)
+
+
+def bucket(num_rows: int, *, max_rows: int) -> int:
+    """`num_rows` rounded up to a power of two, at most `max_rows` (>= num_rows): the packed
+    shapes of a run are then at most log2(max_rows) + 1 (no recompile after warm-up)."""
+    return min(1 << max(num_rows - 1, 0).bit_length(), max(max_rows, num_rows))
+
+
+@flax.struct.dataclass
+class Layout:
+    """An unpacked batch [N, T] as M micro-batches of one packed row of L tokens each (M a
+    `bucket`; trailing micro-batches may be all padding). Host numpy ints, small: the jitted
+    step packs the device arrays itself (`gather`) and unpacks what the forward computes."""
+
+    src_rows: Int[Array, "M 1 L"]  # unpacked row of each packed token (0 on padding)
+    src_cols: Int[Array, "M 1 L"]  # its unpacked column
+    segment_ids: Int[Array, "M 1 L"]  # 1, 2, ... per sequence of the row, 0 on padding
+    positions: Int[Array, "M 1 L"]  # restarting per segment, -1 on padding
+    rows: Int[Array, "N T"]  # packed row (= micro-batch) of each unpacked token
+    cols: Int[Array, "N T"]  # its packed column
+    valid: Bool[Array, "N T"]  # a real token (attention_mask)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.segment_ids.shape[0]
+
+
+def layout(attention_mask: Bool[np.ndarray, "N T"], *, budget: int) -> Layout:
+    """First-fit-decreasing `plan` of `attention_mask` into rows of `budget` tokens, one row per
+    micro-batch, the row count rounded up by `bucket` (at most N). Errors as `plan`'s (a
+    sequence longer than the budget names it and the budget)."""
+    mask = np.asarray(attention_mask, bool)
+    first = plan(mask, budget=budget)
+    p = plan(mask, budget=budget, num_rows=bucket(first.num_rows, max_rows=mask.shape[0]))
+    src_rows, src_cols = p.pack_index()
+    rows, cols, valid = p.unpack_index(mask.shape[1])
+    per_micro = lambda x: x[:, None, :]  # [R, L] -> [M = R, 1, L]
+    return Layout(
+        src_rows=per_micro(src_rows),
+        src_cols=per_micro(src_cols),
+        segment_ids=per_micro(p.segment_ids),
+        positions=per_micro(p.positions),
+        rows=rows,
+        cols=cols,
+        valid=valid,
+    )

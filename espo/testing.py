@@ -118,6 +118,74 @@ def num_den_grad(cfg):
     return f
 
 
+# ---- train batches -----------------------------------------------------------------------------
+
+
+def random_train_batch(
+    cfg, *, num_rows: int, prompt_length: int, generation_length: int, seed: int = 0,
+    lengths: tuple[np.ndarray, np.ndarray] | None = None,
+):  # fmt: skip
+    """(a non-degenerate `espo.batching.TrainBatch`, the params it was traced with): ragged
+    left-padded prompts and right-padded completions (`lengths` = (prompt, completion) per row,
+    random >= 1 by default), the router trace of a forward, row 1 with a failed reward (no loss
+    token), sampler / old log-probs at +-N(0, 0.1) of the current ones, groups of 4 rows."""
+    from espo import batching, train_step, types
+    from espo import model as model_lib
+
+    N, TP, TG = num_rows, prompt_length, generation_length
+    rng = np.random.default_rng(seed)
+    params = model_lib.init(cfg, jax.random.key(seed))
+    tokens = rng.integers(2, cfg.vocab_size, (N, TP + TG)).astype(np.int32)
+    plen, clen = lengths or (rng.integers(1, TP + 1, N), rng.integers(1, TG + 1, N))
+    plen, clen = np.asarray(plen)[:, None], np.asarray(clen)[:, None]
+    pos = np.arange(TP + TG)
+    attn = ((pos >= TP - plen) & (pos < TP)) | ((pos >= TP) & (pos < TP + clen))
+    loss_mask = (pos >= TP) & (pos < TP + clen)
+    valid = np.ones(N, bool)
+    valid[1] = False  # a failed reward: no loss token, so micro-batch denominators differ
+    loss_mask &= valid[:, None]
+    out = model_lib.forward(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(attn))
+    ids = np.where(attn[:, None, :, None], np.asarray(out.router.expert_ids), -1)
+    logps = np.asarray(train_step.token_logps(cfg, params, tokens, attn).logps)
+    noise = rng.normal(0, 0.1, logps.shape).astype(np.float32)
+    on_loss = lambda x: np.where(loss_mask, x, 0.0).astype(np.float32)
+    batch = batching.TrainBatch(
+        tokens=tokens,
+        attention_mask=attn,
+        loss_mask=loss_mask,
+        router=types.RouterTrace(
+            expert_ids=ids.astype(np.int32), expert_weights=np.zeros(ids.shape, np.float32)
+        ),
+        sampler_logps=on_loss(logps + noise),
+        sampler_entropies=on_loss(rng.uniform(0, 2, logps.shape)),
+        finished=rng.random(N) < 0.7,
+        group_ids=np.repeat(np.arange(N // 4), 4).astype(np.int32),
+        rewards=rng.integers(0, 2, N).astype(np.float32),
+        shaping=rng.uniform(-0.2, 0, N).astype(np.float32),
+        valid=valid,
+        old_logps=on_loss(logps - noise),
+        old_entropies=on_loss(rng.uniform(0, 2, logps.shape)),
+        ref_logps=np.zeros(logps.shape, np.float32),
+        advantages=rng.normal(0, 1, N).astype(np.float32),
+        zvp_sign=np.resize(np.array([0, 0, 1, 1, 0, -1, 0, 0], np.int32), N),
+    )
+    return batch, params
+
+
+def sgd_update(sc, params, mini):
+    """`espo.train_step.train_step` (jitted) with SGD at learning rate 1 from step 0: the new
+    params are params - gradient. Returns (new TrainState, metrics)."""
+    import optax
+
+    from espo import train_step
+
+    opt = optax.sgd(1.0)
+    state = train_step.TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params)
+    )
+    return jax.jit(functools.partial(train_step.train_step, sc, opt))(state, mini)
+
+
 # ---- reward functions for the reward-pool tests (importable by spawned worker processes) ------
 
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import advantages, batching, correction, losses, types
+from espo import advantages, batching, correction, losses, packing, types
 from espo.model import config as config_lib
 from espo.model import transformer
 
@@ -97,12 +97,15 @@ def token_logps(
     routing: types.RouterTrace | None = None,
     routing_mode: RoutingMode = RoutingMode.FREE,
     temperature: float = 1.0,
+    segment_ids: Int[Array, "B T"] | None = None,
     **forward_options,
 ) -> TokenLogps:
     """Per-token log-probs and entropies of `tokens` from one forward (module conventions).
 
     Jittable with `model_cfg`, `routing_mode`, `temperature` and `forward_options` static
-    (e.g. `dispatch_impl`); differentiable in `params` through `logps` only.
+    (e.g. `dispatch_impl`); differentiable in `params` through `logps` only. With
+    `segment_ids` (packed rows, `espo.packing`) a token's context is its own segment: the first
+    token of every segment gets 0, as the first token of an unpacked row.
     """
     if not isinstance(temperature, int | float) or temperature < 0:
         raise ValueError(f"temperature={temperature!r}; valid: a float >= 0 (0: greedy, as 1)")
@@ -118,6 +121,7 @@ def token_logps(
         attention_mask=attention_mask,
         routing=routing,
         routing_mode=routing_mode,
+        segment_ids=segment_ids,
         **forward_options,
     )
     scale = 1.0 if temperature == 0 else 1.0 / temperature
@@ -127,6 +131,8 @@ def token_logps(
     entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)  # [B, T-1]
     mask = jnp.asarray(attention_mask, bool)
     real = mask[:, 1:] & mask[:, :-1]  # [B, T-1] token t and its context's last token are real
+    if segment_ids is not None:
+        real &= segment_ids[:, 1:] == segment_ids[:, :-1]  # [B, T-1] and in one segment
     first = jnp.zeros((tokens.shape[0], 1), jnp.float32)  # [B, 1] position 0 has no context
     logps = jnp.concatenate([first, jnp.where(real, taken, 0.0)], axis=1)  # [B, T]
     entropies = jnp.concatenate([first, jnp.where(real, entropy, 0.0)], axis=1)  # [B, T]
@@ -186,16 +192,65 @@ class StepConfig:
     advantage: advantages.AdvantageConfig
     entropy: EntropyConfig
     num_groups: int  # P, groups per batch (segments of the advantage)
-    micro_batch_size: int
+    micro_batch_size: int  # rows per micro-batch of an unpacked step
+    packing_budget: int | None = None  # train.max_tokens_per_micro_batch when train.packing
     router_replay: bool = True
     old_logps: str = "recompute"  # "recompute" | "sampler"
     temperature: float = 1.0  # the rollout's; logits are scaled as the sampler did
 
 
-def _routing(sc: StepConfig, batch) -> dict:
+def _routing(sc: StepConfig, router: types.RouterTrace) -> dict:
     if not sc.router_replay:
         return dict(routing=None, routing_mode=RoutingMode.FREE)
-    return dict(routing=batch.router, routing_mode=RoutingMode.REPLAY_IDS)
+    return dict(routing=router, routing_mode=RoutingMode.REPLAY_IDS)
+
+
+class _Rows(NamedTuple):
+    """The forward inputs of one micro-batch, padded rows [B, T] or packed rows [1, L]."""
+
+    tokens: Int[Array, "B T"]
+    attention_mask: Bool[Array, "B T"]
+    loss_mask: Bool[Array, "B T"]
+    router: types.RouterTrace  # [B, L, T, K]
+    packed: dict  # segment_ids and positions of packed rows; empty for padded rows
+
+
+def _padded_rows(mb: batching.TrainBatch) -> _Rows:
+    return _Rows(mb.tokens, mb.attention_mask, mb.loss_mask, mb.router, {})
+
+
+def _packed_rows(batch: batching.TrainBatch, lay: packing.Layout) -> _Rows:
+    """Micro-batch `lay` ([1, L] slices of a `packing.Layout`) of `batch`, packed on the device:
+    the tokens, masks and router trace move to their segments (the trace like the tokens)."""
+    real = lay.segment_ids > 0  # [1, L]
+    take = functools.partial(packing.gather, rows=lay.src_rows, cols=lay.src_cols, real=real)
+    router = types.RouterTrace(
+        expert_ids=take(batch.router.expert_ids, axis=2, fill=-1),  # [1, L, T, K]
+        expert_weights=take(batch.router.expert_weights, axis=2, fill=0),
+    )
+    packed = dict(segment_ids=lay.segment_ids, positions=lay.positions)
+    return _Rows(take(batch.tokens), real, take(batch.loss_mask, fill=False), router, packed)
+
+
+def _rows_logps(sc: StepConfig, params, rows: _Rows, **options) -> TokenLogps:
+    """`token_logps` of one micro-batch's rows, replaying its trace when `router_replay`."""
+    return token_logps(
+        sc.model, params, rows.tokens, rows.attention_mask, **_routing(sc, rows.router),
+        temperature=sc.temperature, **rows.packed, **options,
+    )  # fmt: skip
+
+
+def _micro_index(lay: packing.Layout, m) -> tuple[Array, Array, Array]:
+    """The `packing.unpack` index of micro-batch m's packed row ([1, L]) into the [N, T]
+    layout: m's sequences' tokens only."""
+    return jnp.zeros_like(lay.rows), lay.cols, lay.valid & (lay.rows == m)
+
+
+def _unless_empty(pred, fn, *args):
+    """fn(*args) if `pred`, else zeros of its outputs: an all-padding micro-batch (a rounded-up
+    packed row) costs no forward (`lax.cond` runs one branch)."""
+    zeros = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))
+    return jax.lax.cond(pred, fn, zeros, *args)
 
 
 def _expert_agreement(a: Int[Array, "B L T K"], b: Int[Array, "B L T K"], mask) -> Array:
@@ -205,10 +260,20 @@ def _expert_agreement(a: Int[Array, "B L T K"], b: Int[Array, "B L T K"], mask) 
     return jnp.where(m, same, 0.0).sum(), m.sum()
 
 
-def prepare(sc: StepConfig, params: dict, ref_params: dict | None, batch):
+def _micro(layout: packing.Layout, m) -> packing.Layout:
+    """Micro-batch m of `layout`: its packed row ([1, L] leaves), the [N, T] unpack index whole."""
+    per_micro = ("src_rows", "src_cols", "segment_ids", "positions")
+    return layout.replace(**{k: getattr(layout, k)[m] for k in per_micro})
+
+
+def prepare(
+    sc: StepConfig, params: dict, ref_params: dict | None, batch, layout: packing.Layout = None
+):
     """pi_old (and reference) log-probs, entropies, advantages and train-infer mismatch.
 
-    One pass over micro-batches with `lax.map`. pi_old replays the rollout's experts when
+    One pass over micro-batches with `lax.map`: `micro_batch_size` rows each, or with a
+    `layout` (`train.packing`) one packed row of `packing_budget` tokens each, unpacked to the
+    batch's [N, T] (rows of padding only are skipped). pi_old replays the rollout's experts when
     `router_replay` (REPLAY_IDS), or routes freely; `old_logps="sampler"` takes the rollout's own
     log-probs instead. Mismatch metrics compare the sampler's log-probs with pi_old's on loss
     tokens: k3 KL(sampler || trainer), the fraction with |dlogp| > ln 2, the router agreement
@@ -216,24 +281,33 @@ def prepare(sc: StepConfig, params: dict, ref_params: dict | None, batch):
     loss will apply (`espo.correction`: is_weight_mean / max, is_clipped_frac, rs_masked_frac,
     rs_masked_seq_frac) over the whole batch, whatever its micro-batching.
     """
-    mbs = batching.split(batch, batch.num_rows // sc.micro_batch_size)
 
-    def one(mb):
-        opts = dict(temperature=sc.temperature, replay_missing="free")
-        old = token_logps(
-            sc.model, params, mb.tokens, mb.attention_mask, **_routing(sc, mb), **opts
+    def one(rows: _Rows):
+        old = _rows_logps(sc, params, rows, replay_missing="free")
+        free = transformer.forward(
+            sc.model, params, rows.tokens, attention_mask=rows.attention_mask, **rows.packed
         )
-        free = transformer.forward(sc.model, params, mb.tokens, attention_mask=mb.attention_mask)
-        agree = _expert_agreement(free.router.expert_ids, mb.router.expert_ids, mb.loss_mask)
+        agree = _expert_agreement(free.router.expert_ids, rows.router.expert_ids, rows.loss_mask)
         ref = jnp.zeros_like(old.logps)
         if ref_params is not None:
-            ref = token_logps(
-                sc.model, ref_params, mb.tokens, mb.attention_mask, **_routing(sc, mb), **opts
-            ).logps
+            ref = _rows_logps(sc, ref_params, rows, replay_missing="free").logps
         return old.logps, old.entropies, ref, agree, old.aux.num_unrecorded_routes
 
-    logps, ents, ref, (agree, agree_n), unrecorded = jax.lax.map(one, mbs)
-    logps, ents, ref = batching.unsplit((logps, ents, ref))
+    if layout is None:
+        mbs = batching.split(batch, batch.num_rows // sc.micro_batch_size)
+        logps, ents, ref, (agree, agree_n), unrecorded = jax.lax.map(
+            lambda mb: one(_padded_rows(mb)), mbs
+        )
+        logps, ents, ref = batching.unsplit((logps, ents, ref))
+    else:  # one packed row per micro-batch, then back to the batch's [N, T] layout
+        micro = lambda m: _unless_empty(
+            layout.segment_ids[m].any(), lambda m: one(_packed_rows(batch, _micro(layout, m))), m
+        )
+        *per_token, (agree, agree_n), unrecorded = jax.lax.map(
+            micro, jnp.arange(layout.num_micro_batches)
+        )
+        index = (layout.rows, layout.cols, layout.valid)
+        logps, ents, ref = (packing.unpack(x[:, 0], index) for x in per_token)  # [N, T]
     logps = jax.lax.stop_gradient(logps)
     if sc.old_logps == "sampler":
         logps = batch.sampler_logps
@@ -273,12 +347,26 @@ def prepare(sc: StepConfig, params: dict, ref_params: dict | None, batch):
     return batch, metrics
 
 
-def _micro_loss(sc: StepConfig, params, mb):
-    """(numerator + denominator * router aux loss, (LossOutput, aux)) of one micro-batch."""
-    tl = token_logps(
-        sc.model, params, mb.tokens, mb.attention_mask, **_routing(sc, mb),
-        temperature=sc.temperature, replay_missing="free",
-    )  # fmt: skip
+def _micro_loss(sc: StepConfig, params, mb, packed=None):
+    """(numerator + denominator * router aux loss, (LossOutput, aux)) of one micro-batch.
+
+    packed: None (`mb` is the micro-batch's rows), or (micro layout, m): `mb` is the whole
+    mini-batch [n, T], micro-batch m is its m-th packed row, and the loss runs on the unpacked
+    [n, T] layout with m's sequences as its only loss tokens. Every per-sequence quantity
+    (seq-mean aggregations, GSPO / ESPO ratios and entropy groups, sequence IS weights) is
+    then per segment by construction, and the other sequences, with no loss token, leave every
+    denominator: summed over micro-batches, numerators and denominators are the full batch's.
+    """
+    if packed is None:
+        tl = _rows_logps(sc, params, _padded_rows(mb), replay_missing="free")
+        loss_mask = mb.loss_mask
+    else:
+        lay, m = packed
+        index = _micro_index(lay, m)
+        tl = _rows_logps(sc, params, _packed_rows(mb, lay), replay_missing="free")
+        tl = tl._replace(logps=packing.unpack(tl.logps, index))
+        tl = tl._replace(entropies=packing.unpack(tl.entropies, index))
+        loss_mask = mb.loss_mask & index[2]  # [n, T]
     pick = lambda source: select_entropies(
         source, old=mb.old_entropies, sampler=mb.sampler_entropies, current=tl.entropies
     )
@@ -286,7 +374,7 @@ def _micro_loss(sc: StepConfig, params, mb):
         mb.advantages,
         mb.zvp_sign,
         entropies=pick(sc.entropy.rl_zvp),
-        mask=mb.loss_mask,
+        mask=loss_mask,
         alpha=sc.advantage.rl_zvp_alpha,
     )  # [B, T]
     out = losses.compute_loss(
@@ -294,7 +382,7 @@ def _micro_loss(sc: StepConfig, params, mb):
         logps=tl.logps,
         old_logps=mb.old_logps,
         advantages=adv,
-        mask=mb.loss_mask,
+        mask=loss_mask,
         entropies=pick(sc.entropy.espo) if sc.loss.name == "espo" else None,
         ref_logps=mb.ref_logps if sc.loss.kl_coef > 0 else None,
         finished=mb.finished,
@@ -315,22 +403,42 @@ def _combine(metrics: dict, weights: Array) -> dict:
 
 
 def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: TrainState, mini):
-    """One optimiser update on a mini-batch [M, micro, ...]: exact micro-batch accumulation.
+    """One optimiser update on a mini-batch: exact micro-batch accumulation.
 
-    The gradient is sum_m grad(numerator_m + den_m * aux_m) / sum_m den_m: the same as one
-    forward over the whole mini-batch (test_trainer checks it), whatever M is.
+    `mini` is [M, micro, ...] (`batching.minibatches`), or a `batching.PackedMiniBatch` (the
+    mini-batch [n, ...] and its `packing.Layout` of M packed rows, one per micro-batch; rows of
+    padding only are skipped). The gradient is sum_m grad(numerator_m + den_m * aux_m) /
+    sum_m den_m: the same as one forward over the whole mini-batch (test_trainer checks it),
+    whatever M is. (The router aux loss is a mean per micro-batch: packed and padded
+    micro-batches group the tokens differently, so only that term differs between them.)
     """
     grad_fn = jax.grad(functools.partial(_micro_loss, sc), has_aux=True)
 
-    def body(acc, mb):
-        grads, (out, aux) = grad_fn(state.params, mb)
-        acc = jax.tree.map(jnp.add, acc, grads)
+    def metrics_of(grads, out_aux):
+        out, aux = out_aux
         metrics = dict(out.metrics, numerator=out.numerator, denominator=out.denominator)
         metrics["router_aux_loss"] = aux.total
-        return acc, metrics
+        return grads, metrics
+
+    def body(acc, mb):
+        grads, metrics = metrics_of(*grad_fn(state.params, mb))
+        return jax.tree.map(jnp.add, acc, grads), metrics
+
+    def packed_body(acc, m):
+        lay = _micro(mini.layout, m)
+        grads, metrics = _unless_empty(
+            lay.segment_ids.any(),
+            lambda lay: metrics_of(*grad_fn(state.params, mini.batch, (lay, m))),
+            lay,
+        )
+        return jax.tree.map(jnp.add, acc, grads), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, per_micro = jax.lax.scan(body, zeros, mini)
+    if isinstance(mini, batching.PackedMiniBatch):
+        m = jnp.arange(mini.layout.num_micro_batches)
+        grads, per_micro = jax.lax.scan(packed_body, zeros, m)
+    else:
+        grads, per_micro = jax.lax.scan(body, zeros, mini)
     den = per_micro["denominator"].sum()
     grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

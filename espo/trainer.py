@@ -37,6 +37,7 @@ from espo import (
     curriculum,
     evaluate,
     metrics,
+    packing,
     quant,
     rollout,
     sampler,
@@ -173,6 +174,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
         entropy=train_step.EntropyConfig(espo=s.train.espo_entropy, rl_zvp=s.train.rl_zvp_entropy),
         num_groups=s.train.prompts_per_step,
         micro_batch_size=micro_rows,
+        packing_budget=s.train.max_tokens_per_micro_batch if s.train.packing else None,
         router_replay=s.train.router_replay,
         old_logps=s.train.old_logps,
         temperature=s.rollout.temperature or 1.0,
@@ -279,8 +281,11 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
                 )
             with timer.phase("old_logps"):
                 batch = batching.make_train_batch(fill.batch, num_rows=num_rows, pad_id=tok.pad_id)
+                layout = None
+                if sc.packing_budget:  # planned on the host: a bounded set of packed shapes
+                    layout = packing.layout(batch.attention_mask, budget=sc.packing_budget)
                 batch = sharding.put_batch(batch, mesh)
-                batch, prep = prepare(state.params, state.ref_params, batch)
+                batch, prep = prepare(state.params, state.ref_params, batch, layout)
                 prep = jax.device_get(prep)
             if prep["mismatch/unrecorded_routes"]:
                 raise RuntimeError(
@@ -292,6 +297,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
                 for mini in batching.minibatches(
                     batch, mini_batch_size=mini_rows, micro_batch_size=micro_rows,
                     epochs=s.train.ppo_epochs, key=jax.random.fold_in(key, 1),
+                    packing_budget=sc.packing_budget,
                 ):  # fmt: skip
                     state, m = update(state, mini)
                     step_metrics.append(m)

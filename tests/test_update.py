@@ -9,10 +9,9 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from espo import advantages, batching, losses, train_step, types
+from espo import advantages, batching, losses, testing, train_step
 from espo import model as model_lib
 
 CFG = model_lib.ModelConfig(
@@ -22,44 +21,11 @@ CFG = model_lib.ModelConfig(
 TP, TG, N = 4, 6, 8
 
 
-def _batch(seed: int = 0) -> batching.TrainBatch:
+def _batch(seed: int = 0) -> tuple[batching.TrainBatch, dict]:
     """A non-degenerate batch: ragged prompts and completions, a router trace from a forward."""
-    rng = np.random.default_rng(seed)
-    params = model_lib.init(CFG, jax.random.key(seed))
-    tokens = rng.integers(2, CFG.vocab_size, (N, TP + TG)).astype(np.int32)
-    plen = rng.integers(1, TP + 1, N)
-    clen = rng.integers(1, TG + 1, N)
-    pos = np.arange(TP + TG)
-    attn = ((pos >= TP - plen[:, None]) & (pos < TP)) | ((pos >= TP) & (pos < TP + clen[:, None]))
-    loss_mask = (pos >= TP) & (pos < TP + clen[:, None])
-    valid = np.ones(N, bool)
-    valid[1] = False  # a failed reward: no loss token, so micro-batch denominators differ
-    loss_mask &= valid[:, None]
-    out = model_lib.forward(CFG, params, jnp.asarray(tokens), attention_mask=jnp.asarray(attn))
-    ids = np.where(attn[:, None, :, None], np.asarray(out.router.expert_ids), -1)
-    logps = np.asarray(train_step.token_logps(CFG, params, tokens, attn).logps)
-    noise = rng.normal(0, 0.1, logps.shape).astype(np.float32)
-    T2 = logps.shape
-    return batching.TrainBatch(
-        tokens=tokens,
-        attention_mask=attn,
-        loss_mask=loss_mask,
-        router=types.RouterTrace(
-            expert_ids=ids.astype(np.int32), expert_weights=np.zeros(ids.shape, np.float32)
-        ),
-        sampler_logps=np.where(loss_mask, logps + noise, 0.0).astype(np.float32),
-        sampler_entropies=np.where(loss_mask, rng.uniform(0, 2, T2), 0.0).astype(np.float32),
-        finished=rng.random(N) < 0.7,
-        group_ids=np.repeat(np.arange(N // 4), 4).astype(np.int32),
-        rewards=rng.integers(0, 2, N).astype(np.float32),
-        shaping=rng.uniform(-0.2, 0, N).astype(np.float32),
-        valid=valid,
-        old_logps=np.where(loss_mask, logps - noise, 0.0).astype(np.float32),
-        old_entropies=np.where(loss_mask, rng.uniform(0, 2, T2), 0.0).astype(np.float32),
-        ref_logps=np.zeros(logps.shape, np.float32),
-        advantages=rng.normal(0, 1, N).astype(np.float32),
-        zvp_sign=np.array([0, 0, 1, 1, 0, -1, 0, 0], np.int32),
-    ), params  # fmt: skip
+    return testing.random_train_batch(
+        CFG, num_rows=N, prompt_length=TP, generation_length=TG, seed=seed
+    )
 
 
 # Sampler correction with both options on and a band tight enough to reject tokens of the batch
@@ -84,12 +50,7 @@ def _sc(
 
 
 def _update(sc, params, batch):
-    opt = optax.sgd(1.0)
-    state = train_step.TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params)
-    )
-    mini = batching.split(batch, N // sc.micro_batch_size)
-    return jax.jit(lambda st, mb: train_step.train_step(sc, opt, st, mb))(state, mini)
+    return testing.sgd_update(sc, params, batching.split(batch, N // sc.micro_batch_size))
 
 
 @pytest.mark.parametrize(
