@@ -112,8 +112,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.train.ppo_epochs = 1  # passes over each batch (verl: ppo_epochs, TRL: num_iterations)
     c.train.mini_batch_size = 0  # rows per optimiser update; 0 = the whole batch (one update)
     c.train.micro_batch_size = 64  # rows per forward/backward (exact accumulation)
-    c.train.packing = False  # pack whole sequences into rows of max_tokens_per_micro_batch
-    c.train.max_tokens_per_micro_batch = 512  # tokens per packed micro-batch (train.packing)
+    c.train.packing = False  # pack whole sequences into micro-batches, not padded rows
+    c.train.max_tokens_per_micro_batch = 2048  # tokens per packed micro-batch (README bench)
     c.train.router_replay = True  # replay the rollout's experts in old-log-prob and update forwards
     c.train.old_logps = "recompute"  # recompute (trainer params) | sampler (the rollout's)
     c.train.espo_entropy = "old"  # ESPO grouping entropies: old | sampler

@@ -58,7 +58,7 @@ class TrainConfig:
     mini_batch_size: int = 0  # rows per optimiser update; 0 = the whole batch
     micro_batch_size: int = 64  # rows per forward / backward
     packing: bool = False  # packed updates: micro-batches of max_tokens_per_micro_batch tokens
-    max_tokens_per_micro_batch: int = 4096  # packed row length (train.packing only)
+    max_tokens_per_micro_batch: int = 4096  # token budget of a packed micro-batch (train.packing)
     router_replay: bool = True
     old_logps: str = "recompute"
     espo_entropy: str = "old"
@@ -313,7 +313,7 @@ class Settings:
             raise ConfigError(
                 f"--config.train.max_tokens_per_micro_batch={train.max_tokens_per_micro_batch!r}"
                 f" is invalid: >= data.max_prompt_length + the largest max_new_tokens ({longest})"
-                " with train.packing (a packed row holds whole sequences)"
+                " with train.packing (a packed micro-batch holds whole sequences)"
             )
         loss = dict(c.loss.to_dict())
         build(losses.LossConfig, loss, "loss", vocab_size=model.get("vocab_size") or 2)

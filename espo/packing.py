@@ -17,9 +17,11 @@ sequence IS weights) is per segment by construction: a segment never shares a ro
 Invariant: unpack(pack(x)) == x on every real token, and 0 elsewhere.
 
 For the update the packing runs on the device: `layout` plans a batch on the host (numpy ints
-only: `Layout`, one packed row of the budget per micro-batch, the number of rows rounded up to
-a power of two so a run compiles a bounded set of shapes) and `gather` moves device arrays
-(tokens, the router trace) into the packed rows inside the jitted step.
+only: `Layout`, micro-batches of R packed rows as long as the batch's rows, R * L tokens within
+the budget, the number of micro-batches rounded up to a power of two so a run compiles a bounded
+set of shapes) and `gather` moves device arrays (tokens, the router trace) into the packed rows
+inside the jitted step. (Rows of the whole budget would give every token an attention span of
+the budget: on CPU, with no segment-skipping attention kernel, slower than padding.)
 """
 
 from __future__ import annotations
@@ -176,15 +178,16 @@ def bucket(num_rows: int, *, max_rows: int) -> int:
 
 @flax.struct.dataclass
 class Layout:
-    """An unpacked batch [N, T] as M micro-batches of one packed row of L tokens each (M a
-    `bucket`; trailing micro-batches may be all padding). Host numpy ints, small: the jitted
-    step packs the device arrays itself (`gather`) and unpacks what the forward computes."""
+    """An unpacked batch [N, T] as M micro-batches of R packed rows of L tokens each (R * L <=
+    the token budget; M a `bucket`, trailing micro-batches may be all padding). Host numpy ints,
+    small: the jitted step packs the device arrays itself (`gather`) and unpacks what the
+    forward computes."""
 
-    src_rows: Int[Array, "M 1 L"]  # unpacked row of each packed token (0 on padding)
-    src_cols: Int[Array, "M 1 L"]  # its unpacked column
-    segment_ids: Int[Array, "M 1 L"]  # 1, 2, ... per sequence of the row, 0 on padding
-    positions: Int[Array, "M 1 L"]  # restarting per segment, -1 on padding
-    rows: Int[Array, "N T"]  # packed row (= micro-batch) of each unpacked token
+    src_rows: Int[Array, "M R L"]  # unpacked row of each packed token (0 on padding)
+    src_cols: Int[Array, "M R L"]  # its unpacked column
+    segment_ids: Int[Array, "M R L"]  # 1, 2, ... per sequence of the row, 0 on padding
+    positions: Int[Array, "M R L"]  # restarting per segment, -1 on padding
+    rows: Int[Array, "N T"]  # packed row of each unpacked token, counted over micro-batches
     cols: Int[Array, "N T"]  # its packed column
     valid: Bool[Array, "N T"]  # a real token (attention_mask)
 
@@ -192,22 +195,40 @@ class Layout:
     def num_micro_batches(self) -> int:
         return self.segment_ids.shape[0]
 
+    @property
+    def rows_per_micro_batch(self) -> int:
+        return self.segment_ids.shape[1]
+
+    def micro_index(self, m) -> tuple[Array, Array, Array]:
+        """The `unpack` index of micro-batch m's packed rows ([R, L]) into the [N, T] layout:
+        m's sequences' tokens only (jittable in m)."""
+        r = self.rows_per_micro_batch
+        return self.rows % r, self.cols, self.valid & (self.rows // r == m)
+
 
 def layout(attention_mask: Bool[np.ndarray, "N T"], *, budget: int) -> Layout:
-    """First-fit-decreasing `plan` of `attention_mask` into rows of `budget` tokens, one row per
-    micro-batch, the row count rounded up by `bucket` (at most N). Errors as `plan`'s (a
-    sequence longer than the budget names it and the budget)."""
+    """First-fit-decreasing `plan` of `attention_mask` into rows of L = min(T, budget) tokens,
+    R = budget // L rows per micro-batch, the micro-batch count rounded up by `bucket`.
+
+    Rows as long as the batch's (not one row of the whole budget) keep each token's attention
+    span at most T, as in the padded update, while a micro-batch still holds `budget` tokens.
+    Errors as `plan`'s (a sequence longer than the budget names it and the budget).
+    """
     mask = np.asarray(attention_mask, bool)
-    first = plan(mask, budget=budget)
-    p = plan(mask, budget=budget, num_rows=bucket(first.num_rows, max_rows=mask.shape[0]))
+    n, t = mask.shape
+    row_length = min(t, budget)
+    per_micro = budget // row_length  # R
+    first = plan(mask, budget=row_length)
+    num_micro = bucket(-(-first.num_rows // per_micro), max_rows=-(-n // per_micro))
+    p = plan(mask, budget=row_length, num_rows=num_micro * per_micro)
     src_rows, src_cols = p.pack_index()
-    rows, cols, valid = p.unpack_index(mask.shape[1])
-    per_micro = lambda x: x[:, None, :]  # [R, L] -> [M = R, 1, L]
+    rows, cols, valid = p.unpack_index(t)
+    micro = lambda x: x.reshape(num_micro, per_micro, row_length)  # [M * R, L] -> [M, R, L]
     return Layout(
-        src_rows=per_micro(src_rows),
-        src_cols=per_micro(src_cols),
-        segment_ids=per_micro(p.segment_ids),
-        positions=per_micro(p.positions),
+        src_rows=micro(src_rows),
+        src_cols=micro(src_cols),
+        segment_ids=micro(p.segment_ids),
+        positions=micro(p.positions),
         rows=rows,
         cols=cols,
         valid=valid,

@@ -206,7 +206,7 @@ def _routing(sc: StepConfig, router: types.RouterTrace) -> dict:
 
 
 class _Rows(NamedTuple):
-    """The forward inputs of one micro-batch, padded rows [B, T] or packed rows [1, L]."""
+    """The forward inputs of one micro-batch, padded rows [B, T] or packed rows [R, L]."""
 
     tokens: Int[Array, "B T"]
     attention_mask: Bool[Array, "B T"]
@@ -219,13 +219,13 @@ def _padded_rows(mb: batching.TrainBatch) -> _Rows:
     return _Rows(mb.tokens, mb.attention_mask, mb.loss_mask, mb.router, {})
 
 
-def _packed_rows(batch: batching.TrainBatch, lay: packing.Layout) -> _Rows:
-    """Micro-batch `lay` ([1, L] slices of a `packing.Layout`) of `batch`, packed on the device:
-    the tokens, masks and router trace move to their segments (the trace like the tokens)."""
-    real = lay.segment_ids > 0  # [1, L]
+def _packed_rows(batch: batching.TrainBatch, lay: _Micro) -> _Rows:
+    """Micro-batch `lay` of `batch`, packed on the device: the tokens, masks and router trace
+    move to their segments (the trace like the tokens)."""
+    real = lay.segment_ids > 0  # [R, L]
     take = functools.partial(packing.gather, rows=lay.src_rows, cols=lay.src_cols, real=real)
     router = types.RouterTrace(
-        expert_ids=take(batch.router.expert_ids, axis=2, fill=-1),  # [1, L, T, K]
+        expert_ids=take(batch.router.expert_ids, axis=2, fill=-1),  # [R, L, T, K]
         expert_weights=take(batch.router.expert_weights, axis=2, fill=0),
     )
     packed = dict(segment_ids=lay.segment_ids, positions=lay.positions)
@@ -238,12 +238,6 @@ def _rows_logps(sc: StepConfig, params, rows: _Rows, **options) -> TokenLogps:
         sc.model, params, rows.tokens, rows.attention_mask, **_routing(sc, rows.router),
         temperature=sc.temperature, **rows.packed, **options,
     )  # fmt: skip
-
-
-def _micro_index(lay: packing.Layout, m) -> tuple[Array, Array, Array]:
-    """The `packing.unpack` index of micro-batch m's packed row ([1, L]) into the [N, T]
-    layout: m's sequences' tokens only."""
-    return jnp.zeros_like(lay.rows), lay.cols, lay.valid & (lay.rows == m)
 
 
 def _unless_empty(pred, fn, *args):
@@ -260,10 +254,20 @@ def _expert_agreement(a: Int[Array, "B L T K"], b: Int[Array, "B L T K"], mask) 
     return jnp.where(m, same, 0.0).sum(), m.sum()
 
 
-def _micro(layout: packing.Layout, m) -> packing.Layout:
-    """Micro-batch m of `layout`: its packed row ([1, L] leaves), the [N, T] unpack index whole."""
-    per_micro = ("src_rows", "src_cols", "segment_ids", "positions")
-    return layout.replace(**{k: getattr(layout, k)[m] for k in per_micro})
+class _Micro(NamedTuple):
+    """Micro-batch m of a `packing.Layout`: its packed rows and its `packing.unpack` index."""
+
+    src_rows: Int[Array, "R L"]
+    src_cols: Int[Array, "R L"]
+    segment_ids: Int[Array, "R L"]
+    positions: Int[Array, "R L"]
+    index: tuple[Array, Array, Array]  # [n, T] each: m's sequences' tokens only
+
+
+def _micro(layout: packing.Layout, m) -> _Micro:
+    """Micro-batch m (traced) of `layout`."""
+    per_micro = (layout.src_rows, layout.src_cols, layout.segment_ids, layout.positions)
+    return _Micro(*(x[m] for x in per_micro), index=layout.micro_index(m))
 
 
 def prepare(
@@ -272,7 +276,7 @@ def prepare(
     """pi_old (and reference) log-probs, entropies, advantages and train-infer mismatch.
 
     One pass over micro-batches with `lax.map`: `micro_batch_size` rows each, or with a
-    `layout` (`train.packing`) one packed row of `packing_budget` tokens each, unpacked to the
+    `layout` (`train.packing`) packed rows of `packing_budget` tokens in all, unpacked to the
     batch's [N, T] (rows of padding only are skipped). pi_old replays the rollout's experts when
     `router_replay` (REPLAY_IDS), or routes freely; `old_logps="sampler"` takes the rollout's own
     log-probs instead. Mismatch metrics compare the sampler's log-probs with pi_old's on loss
@@ -299,7 +303,7 @@ def prepare(
             lambda mb: one(_padded_rows(mb)), mbs
         )
         logps, ents, ref = batching.unsplit((logps, ents, ref))
-    else:  # one packed row per micro-batch, then back to the batch's [N, T] layout
+    else:  # packed micro-batches, then back to the batch's [N, T] layout
         micro = lambda m: _unless_empty(
             layout.segment_ids[m].any(), lambda m: one(_packed_rows(batch, _micro(layout, m))), m
         )
@@ -307,7 +311,8 @@ def prepare(
             micro, jnp.arange(layout.num_micro_batches)
         )
         index = (layout.rows, layout.cols, layout.valid)
-        logps, ents, ref = (packing.unpack(x[:, 0], index) for x in per_token)  # [N, T]
+        flat = lambda x: x.reshape((-1,) + x.shape[2:])  # [M, R, L] -> [M * R, L]
+        logps, ents, ref = (packing.unpack(flat(x), index) for x in per_token)  # [N, T]
     logps = jax.lax.stop_gradient(logps)
     if sc.old_logps == "sampler":
         logps = batch.sampler_logps
@@ -350,8 +355,8 @@ def prepare(
 def _micro_loss(sc: StepConfig, params, mb, packed=None):
     """(numerator + denominator * router aux loss, (LossOutput, aux)) of one micro-batch.
 
-    packed: None (`mb` is the micro-batch's rows), or (micro layout, m): `mb` is the whole
-    mini-batch [n, T], micro-batch m is its m-th packed row, and the loss runs on the unpacked
+    packed: None (`mb` is the micro-batch's rows), or a `_Micro`: `mb` is the whole mini-batch
+    [n, T], the micro-batch is its packed rows `packed`, and the loss runs on the unpacked
     [n, T] layout with m's sequences as its only loss tokens. Every per-sequence quantity
     (seq-mean aggregations, GSPO / ESPO ratios and entropy groups, sequence IS weights) is
     then per segment by construction, and the other sequences, with no loss token, leave every
@@ -361,9 +366,8 @@ def _micro_loss(sc: StepConfig, params, mb, packed=None):
         tl = _rows_logps(sc, params, _padded_rows(mb), replay_missing="free")
         loss_mask = mb.loss_mask
     else:
-        lay, m = packed
-        index = _micro_index(lay, m)
-        tl = _rows_logps(sc, params, _packed_rows(mb, lay), replay_missing="free")
+        index = packed.index
+        tl = _rows_logps(sc, params, _packed_rows(mb, packed), replay_missing="free")
         tl = tl._replace(logps=packing.unpack(tl.logps, index))
         tl = tl._replace(entropies=packing.unpack(tl.entropies, index))
         loss_mask = mb.loss_mask & index[2]  # [n, T]
@@ -428,7 +432,7 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
         lay = _micro(mini.layout, m)
         grads, metrics = _unless_empty(
             lay.segment_ids.any(),
-            lambda lay: metrics_of(*grad_fn(state.params, mini.batch, (lay, m))),
+            lambda lay: metrics_of(*grad_fn(state.params, mini.batch, lay)),
             lay,
         )
         return jax.tree.map(jnp.add, acc, grads), metrics

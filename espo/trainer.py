@@ -125,6 +125,22 @@ def _model_dict(model_cfg) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(model_cfg), default=str))
 
 
+def step_config(s: config_lib.Settings, model_cfg, *, micro_batch_size: int):
+    """The `train_step.StepConfig` of settings `s` for `model_cfg`."""
+    return train_step.StepConfig(
+        model=model_cfg,
+        loss=s.loss_config(model_cfg.vocab_size),
+        advantage=s.advantage,
+        entropy=train_step.EntropyConfig(espo=s.train.espo_entropy, rl_zvp=s.train.rl_zvp_entropy),
+        num_groups=s.train.prompts_per_step,
+        micro_batch_size=micro_batch_size,
+        packing_budget=s.train.max_tokens_per_micro_batch if s.train.packing else None,
+        router_replay=s.train.router_replay,
+        old_logps=s.train.old_logps,
+        temperature=s.rollout.temperature or 1.0,
+    )
+
+
 def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     """Runs (or resumes) the RL run of `config`; returns the summary written to summary.json."""
     t_start = time.perf_counter()
@@ -167,18 +183,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
         total_steps=s.train.steps * s.train.ppo_epochs * (num_rows // mini_rows),
         **dataclasses.asdict(s.optimizer),
     )
-    sc = train_step.StepConfig(
-        model=model_cfg,
-        loss=loss_cfg,
-        advantage=s.advantage,
-        entropy=train_step.EntropyConfig(espo=s.train.espo_entropy, rl_zvp=s.train.rl_zvp_entropy),
-        num_groups=s.train.prompts_per_step,
-        micro_batch_size=micro_rows,
-        packing_budget=s.train.max_tokens_per_micro_batch if s.train.packing else None,
-        router_replay=s.train.router_replay,
-        old_logps=s.train.old_logps,
-        temperature=s.rollout.temperature or 1.0,
-    )
+    sc = step_config(s, model_cfg, micro_batch_size=micro_rows)
     rep = sharding.replicated(mesh)
     prepare = jax.jit(functools.partial(train_step.prepare, sc), out_shardings=None)
     update = jax.jit(

@@ -1,10 +1,11 @@
-"""The packed update (`train.packing`): micro-batches of one packed row of the token budget.
+"""The packed update (`train.packing`): micro-batches of packed rows within the token budget.
 
 Packed == padded for every loss, aggregation mode and sampler correction, with and without
 router replay: the new parameters of an SGD step (so the gradient) and the loss, and the
 prepared batch (pi_old / reference log-probs, entropies, mismatch metrics). Lengths run from 1
-to the budget, and the rounded-up row count leaves all-padding micro-batches (skipped). A run
-compiles one update per row bucket, then never again; a sequence over the budget is an error.
+to the budget, and the rounded-up micro-batch count leaves all-padding micro-batches (skipped);
+a budget of several rows puts R rows in a micro-batch. A run compiles one update per bucket,
+then never again; a sequence over the budget is an error.
 
 What would be wrong (each makes a test here fail): a seq-mean, GSPO / ESPO ratio, entropy group
 or sequence IS weight taken over a packed row (several sequences) instead of one sequence; a
@@ -116,19 +117,37 @@ def test_packed_update_equals_padded_update(loss, correction, replay):
     _assert_same_update(testing.sgd_update(sc, params, mini), padded)
 
 
-def test_aux_loss_equal_when_one_packed_row_holds_the_mini_batch():
+def test_aux_loss_equal_when_one_packed_micro_batch_holds_the_mini_batch():
     # The router aux / z losses are means over a micro-batch's real tokens: with the whole
-    # mini-batch in one packed row and in one padded micro-batch they are the same tokens, so
-    # the updates agree with the losses on (row-end padding leaves them).
+    # mini-batch in one packed micro-batch (6 rows of 10) and in one padded micro-batch they are
+    # the same tokens, so the updates agree with the losses on (row-end padding leaves them).
     model = dataclasses.replace(CFG, aux_loss_coef=0.1, z_loss_coef=0.01)
     batch, params, _ = _batch(model=model)
     sc = _sc(loss=dict(name="gspo"), model=model, budget=64)
     mini = _minibatch(batch, 64)
-    assert mini.layout.num_micro_batches == 1
+    assert (mini.layout.num_micro_batches, mini.layout.rows_per_micro_batch) == (1, 6)
     unpacked = dataclasses.replace(sc, packing_budget=None)
     padded = testing.sgd_update(unpacked, params, batching.split(batch, 1))
     _assert_same_update(testing.sgd_update(sc, params, mini), padded)
     assert float(padded[1]["loss/router_aux_loss"]) > 0
+
+
+@pytest.mark.parametrize(
+    "loss, replay",
+    [(LOSS_CONFIGS[4] | CORRECTIONS[1], True), (LOSS_CONFIGS[1], False)],
+    ids=["gspo-tis-replay", "grpo-free"],
+)
+def test_packed_update_with_two_rows_per_micro_batch(loss, replay):
+    # A budget of 20 = 2 rows of 10: the 5 rows in ceil(5 / 2) = 3 micro-batches, rounded up to
+    # 4 (the last all padding); each micro-batch's loss reads its own two rows' sequences only.
+    batch, params, _ = _batch()
+    sc = _sc(loss=loss, replay=replay, budget=20)
+    mini = _minibatch(batch, 20)
+    assert (mini.layout.num_micro_batches, mini.layout.rows_per_micro_batch) == (4, 2)
+    assert mini.layout.segment_ids[2].any() and not mini.layout.segment_ids[3].any()
+    unpacked = dataclasses.replace(sc, packing_budget=None)
+    padded = testing.sgd_update(unpacked, params, batching.split(batch, 1))
+    _assert_same_update(testing.sgd_update(sc, params, mini), padded)
 
 
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "free"])
