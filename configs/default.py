@@ -216,6 +216,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.reward.ngram_size = 4  # n of the repetition penalty
     c.reward.repetition_threshold = 0.0  # repetition ratio below this is free
 
+    # ---- mesh: espo.sharding (data x fsdp x expert = the device count) ---------------------------
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # data-parallel shards of the batch; -1 = the devices the others leave
+    c.mesh.fsdp = 1  # parameters / optimizer state sharded along the model dimension (ZeRO-3)
+    c.mesh.expert = 1  # expert parallelism: each device holds num_experts / expert experts
+
     if variant == "tiny":
         c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
         c.model.update(num_experts=4, top_k=2, moe_ffn_dim=32)

@@ -243,6 +243,23 @@ class CheckpointConfig:
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh sizes (`espo.sharding.make_mesh`); their product is the device count."""
+
+    data: int = -1  # data parallelism; -1 = the devices the other axes leave
+    fsdp: int = 1  # parameters and optimizer state sharded along the model dimension
+    expert: int = 1  # experts split over devices
+
+    def __post_init__(self):
+        valid = "an int >= 1, or -1 (the devices the other axes leave)"
+        ok = lambda x: _is_int(x) and (x >= 1 or x == -1)
+        check(self, {f: (ok(getattr(self, f)), valid) for f in ("data", "fsdp", "expert")})
+        rest = [f for f in ("data", "fsdp", "expert") if getattr(self, f) == -1]
+        if len(rest) > 1:
+            raise ValueError(f"MeshConfig.{rest[1]}=-1 is invalid: at most one axis -1 ({rest[0]})")
+
+
 _CLASS_TO_KEY = re.compile(r"\b([A-Z][A-Za-z0-9]*)\.([a-z_][a-z0-9_]*)\s*=\s*")
 
 
@@ -284,6 +301,7 @@ class Settings:
     advantage: advantages.AdvantageConfig
     zve: zero_variance.ZveConfig
     reward: RewardConfig
+    mesh: MeshConfig
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> Settings:
@@ -337,6 +355,7 @@ class Settings:
             advantage=build(advantages.AdvantageConfig, adv, "advantage"),
             zve=build(zero_variance.ZveConfig, c.zve, "zve"),
             reward=build(RewardConfig, c.reward, "reward"),
+            mesh=build(MeshConfig, c.get("mesh") or {}, "mesh"),
         )
 
     def loss_config(self, vocab_size: int) -> losses.LossConfig:

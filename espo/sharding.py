@@ -1,19 +1,141 @@
-"""The device mesh and the shardings of the train step (one device today; the scale-out issue
-extends it with fsdp / expert axes and logical parameter rules).
+"""The device mesh and the shardings of the train step.
 
 Axes are ("data", "fsdp", "expert"). Batches are sharded along ("data", "fsdp") on their leading
-axis; parameters and optimizer state are replicated. Every jitted step states its shardings
-explicitly, so moving to more devices changes the mesh, not the step.
+axis. Every parameter dimension has a logical name (`logical_axes`: "embed", "heads", "expert",
+"mlp", "vocab", ...) and `RULES` map logical names to mesh axes in the style of big_vision /
+maxtext rule lists (first match wins; None = replicated): by default the model dimension is
+sharded along "fsdp" (ZeRO-3 style: XLA gathers a weight where a matmul needs it) and the expert
+dimension along "expert". Optimizer state follows its parameters. Every jitted step states its
+shardings explicitly, so moving to more devices changes the mesh, not the step.
 """
 
 from __future__ import annotations
 
 import jax
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "expert")
 BATCH_AXES = ("data", "fsdp")
+
+# Logical parameter axis -> mesh axis (or a tuple of them, or None: replicated).
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
+    ("expert", "expert"),
+    ("embed", "fsdp"),
+    ("vocab", None),
+    ("heads", None),
+    ("kv_heads", None),
+    ("head_dim", None),
+    ("mlp", None),
+    ("router", None),  # the router's output (one logit per expert): small, replicated
+    ("norm", None),
+    ("layers", None),
+)
+
+# Logical axes of each parameter by its name (the last key of its path); MoE expert weights
+# (under a "moe" key) have a leading expert axis; stacked layer runs ("blocks_<r>") a leading
+# "layers" axis.
+_LOGICAL = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "q_proj": ("embed", "heads", "head_dim"),
+    "k_proj": ("embed", "kv_heads", "head_dim"),
+    "v_proj": ("embed", "kv_heads", "head_dim"),
+    "o_proj": ("heads", "head_dim", "embed"),
+    "router": ("embed", "router"),
+    "shared_expert_gate": ("embed", None),
+    "gate_proj": ("embed", "mlp"),
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+}
+
+
+def logical_axes(params) -> dict:
+    """The logical axis names of every parameter (a tree of tuples, one name per dimension)."""
+
+    def axes(path, leaf):
+        keys = [getattr(k, "key", str(k)) for k in path]
+        name = keys[-1]
+        if name == "scale":  # RMSNorm; q/k norms act on the head dimension
+            base = ("head_dim",) if keys[-2] in ("q_norm", "k_norm") else ("norm",)
+        elif name in _LOGICAL:
+            base = _LOGICAL[name]
+            if len(keys) >= 2 and keys[-2] == "moe" and name.endswith("_proj"):
+                base = ("expert", *base)
+        else:
+            raise ValueError(f"parameter {'/'.join(keys)} has no logical axes in espo.sharding")
+        stacked = keys[0].startswith("blocks_") and "_layer_" not in keys[0]
+        out = ("layers", *base) if stacked else base
+        if len(out) != len(leaf.shape):
+            raise ValueError(
+                f"parameter {'/'.join(keys)} of shape {tuple(leaf.shape)} does not match its "
+                f"logical axes {out}"
+            )
+        return out
+
+    return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def spec(logical: tuple, rules=RULES) -> P:
+    """The PartitionSpec of one array with these logical axes (unnamed or unruled: replicated)."""
+    table = dict(rules)
+    return P(*(table.get(name) if name is not None else None for name in logical))
+
+
+def _axis_size(mesh: jax.sharding.Mesh, axes) -> int:
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return size
+
+
+def param_shardings(mesh: jax.sharding.Mesh, params, rules=RULES):
+    """NamedShardings of `params` (arrays or `jax.ShapeDtypeStruct`s) under `rules`.
+
+    A dimension its mesh axes do not divide is an error naming the parameter, the logical and
+    mesh axes and the sizes (e.g. 8 experts on an expert axis of 3)."""
+    logical = logical_axes(params)
+
+    def one(path, leaf, names):
+        pspec = spec(names, rules)
+        for dim, (name, axes) in enumerate(zip(names, pspec, strict=True)):
+            n = _axis_size(mesh, axes)
+            if leaf.shape[dim] % n:
+                raise ValueError(
+                    f"mesh {dict(mesh.shape)} does not divide parameter "
+                    f"{jax.tree_util.keystr(path)}: its {name!r} dimension has size "
+                    f"{leaf.shape[dim]}, not a multiple of mesh axes {axes} (size {n})"
+                )
+        return NamedSharding(mesh, pspec)
+
+    return jax.tree_util.tree_map_with_path(one, params, logical)
+
+
+def state_shardings(mesh: jax.sharding.Mesh, optimizer, abstract_state, rules=RULES):
+    """Shardings of a `train_step.TrainState` (abstract or not): params and reference params by
+    `rules`, every copy of the params inside the optimizer state (Adam's moments) like its
+    params, everything else (step, counts) replicated."""
+    params = param_shardings(mesh, abstract_state.params, rules)
+    rep = replicated(mesh)
+    opt = optax.tree_utils.tree_map_params(
+        optimizer, lambda _, sh: sh, abstract_state.opt_state, params,
+        transform_non_params=lambda _: rep,
+    )  # fmt: skip
+    ref = None if abstract_state.ref_params is None else params
+    return abstract_state.replace(step=rep, params=params, opt_state=opt, ref_params=ref)
+
+
+def check_batch(mesh: jax.sharding.Mesh, num_rows: int, *, what: str = "the batch") -> None:
+    """`num_rows` must split evenly over the batch axes (data x fsdp)."""
+    n = _axis_size(mesh, BATCH_AXES)
+    if num_rows % n:
+        raise ValueError(
+            f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']} = {n} does not divide "
+            f"{what} ({num_rows} rows)"
+        )
 
 
 def make_mesh(*, data: int = -1, fsdp: int = 1, expert: int = 1) -> jax.sharding.Mesh:

@@ -178,7 +178,12 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     )
 
     # ---- jitted steps: explicit shardings, donated state ----------------------------------------
-    mesh = sharding.make_mesh()
+    mesh = sharding.make_mesh(**dataclasses.asdict(s.mesh))
+    for rows, what in (
+        (mini_rows, "train.mini_batch_size"),
+        (micro_rows, "train.micro_batch_size"),
+    ):
+        sharding.check_batch(mesh, rows, what=f"--config.{what}")
     optimizer, lr_schedule = train_step.make_optimizer(
         total_steps=s.train.steps * s.train.ppo_epochs * (num_rows // mini_rows),
         **dataclasses.asdict(s.optimizer),
@@ -186,11 +191,6 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     sc = step_config(s, model_cfg, micro_batch_size=micro_rows)
     rep = sharding.replicated(mesh)
     prepare = jax.jit(functools.partial(train_step.prepare, sc), out_shardings=None)
-    update = jax.jit(
-        functools.partial(train_step.train_step, sc, optimizer),
-        donate_argnums=(0,),
-        out_shardings=(rep, rep),
-    )
     fp8 = jax.jit(functools.partial(quant.quantize_fp8, keep_dtype=model_cfg.dtype))
 
     # ---- resume, or warm start ------------------------------------------------------------------
@@ -215,6 +215,14 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
         opt_state=optimizer.init(p),
         ref_params=p if loss_cfg.kl_coef > 0 else None,
     )
+    # Params, reference params and optimizer state placed by espo.sharding's rules; `update`
+    # returns the state where it found it (no resharding, no recompiles after step 1).
+    state_sharding = sharding.state_shardings(mesh, optimizer, jax.eval_shape(make_state, params))
+    update = jax.jit(
+        functools.partial(train_step.train_step, sc, optimizer),
+        donate_argnums=(0,),
+        out_shardings=(state_sharding, rep),
+    )
     latest = ckpt.latest_step()
     evaluate_now = functools.partial(
         _evaluate, handle, evals=evals, encode=encode, reward_fn=reward_fn, tok=tok, s=s, stop=stop
@@ -222,7 +230,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     if latest is not None:
         abstract = jax.eval_shape(make_state, params)
         state, saved = ckpt.restore(latest, abstract_state=abstract)
-        state = jax.device_put(state, rep)  # where `update` returns it: no recompiles later
+        state = jax.device_put(state, state_sharding)  # where `update` returns it
         checkpoint.check_model_config(saved["model_config"], _model_dict(model_cfg))
         host.load(saved)
         start_step = latest
@@ -232,7 +240,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
             params = _warm_start(
                 s, model_cfg, params, train_src, tok, encode, Tp, curr, progress=progress
             )
-        state = jax.device_put(make_state(params), rep)  # where `update` returns it
+        state = jax.jit(make_state, out_shardings=state_sharding)(params)  # created sharded
         host.start_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
         start_step = 0
         ckpt.save(0, state=state, host=host.state_dict(model_cfg), force=True)

@@ -1,0 +1,105 @@
+"""Sharded == single-device, run by tests/test_sharding.py in a subprocess with 8 emulated CPU
+devices (XLA_FLAGS must be set before jax is imported, so not in the pytest process).
+
+For each mesh (data, fsdp, expert) in MESHES: the forward (free routing and REPLAY_IDS), the old
+log-probs of `prepare`, and one SGD train step (loss, gradient norm, new params) with the
+parameters placed by `sharding.param_shardings` and the batch along (data, fsdp) equal the
+single-device results within 1e-5 (float32); each device holds E / expert experts and
+D / fsdp of the model dimension. Prints one line per mesh; exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from espo import advantages, batching, losses, sharding, testing, train_step
+from espo import model as model_lib
+
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4)]
+CFG = model_lib.ModelConfig(
+    vocab_size=64, d_model=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+    num_experts=8, top_k=2, moe_ffn_dim=16, dense_layers=(0,), dense_ffn_dim=24,
+    shared_expert_ffn_dim=8, qk_norm=True, aux_loss_coef=0.01, z_loss_coef=0.001,
+)  # fmt: skip
+N, TP, TG = 16, 4, 6
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def step_config(micro_batch_size: int) -> train_step.StepConfig:
+    return train_step.StepConfig(
+        model=CFG,
+        loss=losses.LossConfig(vocab_size=CFG.vocab_size, name="espo", kl_coef=0.05),
+        advantage=advantages.AdvantageConfig(rl_zvp=True),
+        entropy=train_step.EntropyConfig(),
+        num_groups=N // 4,
+        micro_batch_size=micro_batch_size,
+        router_replay=True,
+    )
+
+
+def run(params, batch, mesh=None):
+    """Forward (free, replay), prepare and one SGD step, on `mesh` (None: one device)."""
+    sc = step_config(micro_batch_size=N // 2)
+    opt = optax.sgd(1.0)
+    mini = batching.split(batch, 2)
+    if mesh is not None:
+        shard = sharding.param_shardings(mesh, params)
+        params = jax.device_put(params, shard)
+        batch = sharding.put_batch(batch, mesh)
+        mini = sharding.put_batch(mini, mesh, leading=1)
+    fwd = jax.jit(model_lib.forward, static_argnums=0, static_argnames="routing_mode")
+    free = fwd(CFG, params, batch.tokens, attention_mask=batch.attention_mask)
+    replay = fwd(
+        CFG, params, batch.tokens, attention_mask=batch.attention_mask, routing=batch.router,
+        routing_mode=model_lib.RoutingMode.REPLAY_IDS,
+    )  # fmt: skip
+    ref = jax.tree.map(lambda p: p * 1.01, params)
+    prepared, _ = jax.jit(functools.partial(train_step.prepare, sc))(params, ref, batch, None)
+    state = train_step.TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params)
+    )
+    new, metrics = jax.jit(functools.partial(train_step.train_step, sc, opt))(state, mini)
+    out = dict(
+        free=(free.logits, free.router.expert_ids, free.router.expert_weights, free.aux.total),
+        replay=(replay.logits, replay.router.expert_weights),
+        old_logps=prepared.old_logps,
+        ref_logps=prepared.ref_logps,
+        params=new.params,
+        loss=metrics["loss/loss"],
+        grad_norm=metrics["optim/grad_norm"],
+    )
+    return out, params
+
+
+def main() -> int:
+    assert jax.device_count() == 8, f"{jax.device_count()} devices: set XLA_FLAGS"
+    batch, params = testing.random_train_batch(
+        CFG, num_rows=N, prompt_length=TP, generation_length=TG, seed=3
+    )
+    with jax.default_device(jax.devices()[0]):
+        single, _ = run(params, batch)
+    single = jax.device_get(single)
+    assert float(single["grad_norm"]) > 1e-3
+    for data, fsdp, expert in MESHES:
+        mesh = sharding.make_mesh(data=data, fsdp=fsdp, expert=expert)
+        got, placed = run(params, batch, mesh)
+        up = placed["blocks_1"]["moe"]["up_proj"]  # [L, E, D, F]
+        local = up.addressable_shards[0].data.shape
+        assert local[1:3] == (CFG.num_experts // expert, CFG.d_model // fsdp), (local, mesh)
+        assert len({s.device for s in up.addressable_shards}) == 8
+        for key, want in single.items():
+            chex.assert_trees_all_close(jax.device_get(got[key]), want, **TOL, custom_message=key)
+        np.testing.assert_array_equal(got["free"][1], single["free"][1])  # expert ids
+        print(f"mesh {(data, fsdp, expert)}: equal to one device")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

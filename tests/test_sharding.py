@@ -1,0 +1,128 @@
+"""`espo.sharding`: logical parameter axes, the rules that map them to the mesh, the errors of a
+mesh that does not divide the model or the batch, and sharded == single-device results on 8
+emulated CPU devices (in a subprocess: the device count is fixed when jax starts)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from espo import config as config_lib
+from espo import model as model_lib
+from espo import sharding, testing
+
+HERE = pathlib.Path(__file__).resolve().parent
+# Every kind of parameter: a dense layer, MoE layers with a shared expert, q/k norms, untied head.
+CFG = model_lib.ModelConfig(
+    vocab_size=64, d_model=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+    num_experts=8, top_k=2, moe_ffn_dim=16, dense_layers=(0,), dense_ffn_dim=24,
+    shared_expert_ffn_dim=8, qk_norm=True,
+)  # fmt: skip
+
+
+def _mesh(data=1, fsdp=1, expert=1):
+    return AbstractMesh((data, fsdp, expert), sharding.AXES)
+
+
+def test_logical_axes_of_every_kind_of_parameter():
+    axes = sharding.logical_axes(model_lib.Model(CFG).param_shapes())
+    dense, moe = axes["blocks_0"], axes["blocks_1"]
+    assert axes["embed"] == ("vocab", "embed") and axes["lm_head"] == ("embed", "vocab")
+    assert axes["final_norm"]["scale"] == ("norm",)
+    assert dense["attn"]["q_proj"] == ("layers", "embed", "heads", "head_dim")
+    assert dense["attn"]["k_proj"] == ("layers", "embed", "kv_heads", "head_dim")
+    assert dense["attn"]["o_proj"] == ("layers", "heads", "head_dim", "embed")
+    assert dense["attn"]["q_norm"]["scale"] == ("layers", "head_dim")
+    assert dense["mlp"]["down_proj"] == ("layers", "mlp", "embed")
+    assert moe["moe"]["gate_proj"] == ("layers", "expert", "embed", "mlp")
+    assert moe["moe"]["down_proj"] == ("layers", "expert", "mlp", "embed")
+    assert moe["moe"]["router"] == ("layers", "embed", "router")
+    assert moe["moe"]["shared_expert"]["down_proj"] == ("layers", "mlp", "embed")
+    assert moe["moe"]["shared_expert_gate"] == ("layers", "embed", None)
+
+
+def test_per_layer_params_have_no_layers_axis():
+    stacked = model_lib.Model(CFG).param_shapes()
+    unrolled = jax.eval_shape(lambda p: model_lib.transformer.unstack_layers(CFG, p), stacked)
+    axes = sharding.logical_axes(unrolled)
+    assert axes["blocks_1_layer_1"]["moe"]["up_proj"] == ("expert", "embed", "mlp")
+
+
+def test_rules_shard_experts_and_the_model_dimension():
+    specs = jax.tree.map(
+        lambda s: s.spec,
+        sharding.param_shardings(_mesh(fsdp=2, expert=4), model_lib.Model(CFG).param_shapes()),
+    )
+    assert specs["blocks_1"]["moe"]["down_proj"] == P(None, "expert", None, "fsdp")
+    assert specs["blocks_1"]["moe"]["router"] == P(None, "fsdp", None)
+    assert specs["embed"] == P(None, "fsdp") and specs["final_norm"]["scale"] == P(None)
+    # Other rules: the vocabulary along fsdp, experts replicated.
+    rules = (("vocab", "fsdp"), ("expert", None))
+    specs = jax.tree.map(
+        lambda s: s.spec,
+        sharding.param_shardings(_mesh(fsdp=2), model_lib.Model(CFG).param_shapes(), rules),
+    )
+    assert specs["lm_head"] == P(None, "fsdp")
+    assert specs["blocks_1"]["moe"]["up_proj"] == P(None, None, None, None)
+
+
+def test_a_mesh_that_does_not_divide_the_experts_or_the_model_names_them():
+    params = model_lib.Model(CFG).param_shapes()
+    with pytest.raises(
+        ValueError,
+        match=r"does not divide parameter \['blocks_1'\]\['moe'\]\['down_proj'\]: its 'expert' "
+        r"dimension has size 8, not a multiple of mesh axes expert \(size 3\)",
+    ):
+        sharding.param_shardings(_mesh(expert=3), params)
+    with pytest.raises(ValueError, match=r"'embed' dimension has size 16, not a multiple .* 3"):
+        sharding.param_shardings(_mesh(fsdp=3), params)
+    sharding.param_shardings(_mesh(fsdp=4, expert=8), params)  # divides: no error
+
+
+def test_a_mesh_that_does_not_divide_the_batch_names_the_axes():
+    with pytest.raises(ValueError, match=r"data=2 x fsdp=3 = 6 does not divide the batch \(8"):
+        sharding.check_batch(_mesh(data=2, fsdp=3), 8)
+    sharding.check_batch(_mesh(data=2, fsdp=2, expert=3), 8)
+
+
+def test_an_unknown_parameter_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"blocks_0/attn/bias has no logical axes"):
+        sharding.logical_axes({"blocks_0": {"attn": {"bias": jax.ShapeDtypeStruct((2, 3), "f4")}}})
+    # A shape that contradicts its name: k_proj is [embed, kv_heads, head_dim].
+    with pytest.raises(ValueError, match=r"k_proj of shape \(16, 8\) does not match"):
+        sharding.logical_axes({"k_proj": jax.ShapeDtypeStruct((16, 8), "f4")})
+
+
+def test_sharded_steps_equal_the_single_device_run():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    r = subprocess.run(
+        [sys.executable, str(HERE / "sharded_steps.py")],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert r.stdout.count("equal to one device") == 4, r.stdout
+
+
+def test_mesh_config_errors_name_the_key():
+    def settings(**mesh):
+        cfg = testing.load_script(HERE.parent / "configs" / "default.py").get_config("tiny")
+        cfg.mesh.update(mesh)
+        return config_lib.Settings.from_config(cfg)
+
+    assert settings(data=2, expert=-1).mesh == config_lib.MeshConfig(data=2, fsdp=1, expert=-1)
+    with pytest.raises(
+        config_lib.ConfigError,
+        match=r"--config\.mesh\.expert=0 is invalid: an int >= 1, or -1 \(the devices",
+    ):
+        settings(expert=0)
+    with pytest.raises(
+        config_lib.ConfigError, match=r"--config\.mesh\.fsdp=-1 is invalid: at most one axis -1"
+    ):
+        settings(data=-1, fsdp=-1)
