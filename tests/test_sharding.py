@@ -10,13 +10,15 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from espo import config as config_lib
 from espo import model as model_lib
-from espo import sharding, testing
+from espo import sharding, testing, train_step
 
 HERE = pathlib.Path(__file__).resolve().parent
 # Every kind of parameter: a dense layer, MoE layers with a shared expert, q/k norms, untied head.
@@ -126,3 +128,17 @@ def test_mesh_config_errors_name_the_key():
         config_lib.ConfigError, match=r"--config\.mesh\.fsdp=-1 is invalid: at most one axis -1"
     ):
         settings(data=-1, fsdp=-1)
+
+
+def test_optimizer_state_follows_its_params():
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    make = lambda p: train_step.TrainState(
+        step=jnp.zeros((), jnp.int32), params=p, opt_state=opt.init(p), ref_params=p
+    )
+    state = jax.eval_shape(make, model_lib.Model(CFG).param_shapes())
+    sh = sharding.state_shardings(_mesh(fsdp=2, expert=4), opt, state)
+    want = P(None, "expert", "fsdp", None)
+    adam = sh.opt_state[1][0]
+    for tree in (sh.params, sh.ref_params, adam.mu, adam.nu):
+        assert tree["blocks_1"]["moe"]["up_proj"].spec == want
+    assert adam.count.spec == P() and sh.step.spec == P()
