@@ -146,6 +146,14 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     t_start = time.perf_counter()
     # ---- settings: every section validated before anything compiles --------------------------
     s = config_lib.Settings.from_config(config)
+    # Everything traced inside runs on the mesh: MoE blocks split their experts over its
+    # "expert" axis (`moe.expert_parallel_dispatch`), batches go along (data, fsdp).
+    mesh = sharding.make_mesh(**dataclasses.asdict(s.mesh))
+    with jax.set_mesh(mesh):
+        return _train(config, s, mesh, workdir, progress=progress, t_start=t_start)
+
+
+def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     workdir = pathlib.Path(workdir or s.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
@@ -178,7 +186,6 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     )
 
     # ---- jitted steps: explicit shardings, donated state ----------------------------------------
-    mesh = sharding.make_mesh(**dataclasses.asdict(s.mesh))
     for rows, what in (
         (mini_rows, "train.mini_batch_size"),
         (micro_rows, "train.micro_batch_size"),

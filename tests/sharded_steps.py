@@ -5,7 +5,9 @@ For each mesh (data, fsdp, expert) in MESHES: the forward (free routing and REPL
 log-probs of `prepare`, and one SGD train step (loss, gradient norm, new params) with the
 parameters placed by `sharding.param_shardings` and the batch along (data, fsdp) equal the
 single-device results within 1e-5 (float32); each device holds E / expert experts and
-D / fsdp of the model dimension. Prints one line per mesh; exits non-zero on a mismatch.
+D / fsdp of the model dimension, and with an expert axis the MoE blocks run expert-parallel
+(`moe.expert_parallel_dispatch`: a shard_map over the context mesh, a psum over "expert").
+Prints one line per mesh; exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -89,7 +91,13 @@ def main() -> int:
     assert float(single["grad_norm"]) > 1e-3
     for data, fsdp, expert in MESHES:
         mesh = sharding.make_mesh(data=data, fsdp=fsdp, expert=expert)
-        got, placed = run(params, batch, mesh)
+        with jax.set_mesh(mesh):  # the context mesh: MoE blocks split the experts over it
+            got, placed = run(params, batch, mesh)
+            jaxpr = str(
+                jax.make_jaxpr(functools.partial(model_lib.forward, CFG))(placed, batch.tokens)
+            )
+        # Real expert parallelism: a shard_map whose psum over "expert" adds the partial outputs.
+        assert ("shard_map" in jaxpr and "psum" in jaxpr) == (expert > 1), mesh
         up = placed["blocks_1"]["moe"]["up_proj"]  # [L, E, D, F]
         local = up.addressable_shards[0].data.shape
         assert local[1:3] == (CFG.num_experts // expert, CFG.d_model // fsdp), (local, mesh)

@@ -347,6 +347,66 @@ def dispatch(
     return jnp.zeros_like(x).at[token_of_row].add(ys * row_weights[:, None])  # [M, D]
 
 
+def expert_parallel_dispatch(
+    x: Float[Array, "M D"],
+    ids: Int[Array, "M K"],
+    weights: Float[Array, "M K"],
+    w_gate: Float[Array, "E D F"],
+    w_up: Float[Array, "E D F"],
+    w_down: Float[Array, "E F D"],
+    *,
+    impl: str = "auto",
+) -> Float[Array, "M D"]:
+    """`dispatch`, with the experts split over the "expert" axis of the context mesh
+    (`jax.set_mesh`) when it has one of size > 1; plain `dispatch` otherwise.
+
+    Inside a `jax.shard_map`, each device holds E / n experts and the tokens of its batch shard
+    (sharded along the mesh's batch axes "data" / "fsdp", replicated along "expert"): it runs
+    `dispatch` on the assignments to its own experts (the others become -1, which contribute
+    nothing) and a `psum` over "expert" adds the n partial outputs, exactly the sum over the K
+    chosen experts. (The all-gather form of expert parallelism: no all-to-all, as the tokens
+    are already on every expert shard; each device's expert FFN reads only its own weights.)
+    Replayed ids pass through unchanged. The capacity path sizes its groups for the ~1/n of
+    the assignments a device gets; larger groups take its exact overflow path.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    n = 0 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
+    if n <= 1:
+        return dispatch(x, ids, weights, w_gate, w_up, w_down, impl=impl)
+    E, (M, K) = w_gate.shape[0], ids.shape
+    if E % n:
+        raise ValueError(f"{E} experts do not split over the mesh's expert axis of size {n}")
+    batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+    shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    sharded = M % shards == 0  # else the tokens are replicated: each device takes them all
+    tokens = jax.sharding.PartitionSpec(batch_axes if sharded else None)
+    experts = jax.sharding.PartitionSpec("expert")
+    capacity = capacity_for(max(1, (M // shards if sharded else M) * K // n), E // n)
+    weight_axes = batch_axes if sharded else ()  # the axes the tokens vary over
+
+    def local(x, ids, weights, w_gate, w_up, w_down):
+        # Tokens are the same on every expert shard and weights on every batch shard; what
+        # `dispatch` computes from both varies over all of them (its loops' carries must say
+        # so; the transposes of these casts sum the gradients over the shards).
+        vary = lambda t, axes: jax.lax.pcast(t, axes, to="varying") if axes else t
+        x, ids, weights = vary((x, ids, weights), ("expert",))
+        w_gate, w_up, w_down = vary((w_gate, w_up, w_down), weight_axes)
+        first = jax.lax.axis_index("expert") * (E // n)
+        mine = (ids >= first) & (ids < first + E // n)
+        y = dispatch(
+            x, jnp.where(mine, ids - first, -1), weights, w_gate, w_up, w_down,
+            impl=impl, capacity=capacity,
+        )  # fmt: skip
+        return jax.lax.psum(y, "expert")
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, experts, experts, experts),
+        out_specs=tokens,
+    )(x, ids, weights, w_gate, w_up, w_down)
+
+
 def moe_reference(
     x: Float[Array, "M D"],
     ids: Int[Array, "M K"],
@@ -439,7 +499,7 @@ class MoeBlock(nn.Module):
             replay_weights=flat(replay_weights),
             free_mask=unrecorded if self.replay_missing == "free" else None,
         )  # [M, K] each
-        out = dispatch(
+        out = expert_parallel_dispatch(
             xf,
             ids,
             weights.astype(dt),
