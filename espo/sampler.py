@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import scheduling, types
+from espo import scheduling, sharding, types
 from espo.model import config as config_lib
 from espo.model import handle, layers, transformer
 
@@ -131,6 +131,8 @@ def sampling_model(model: handle.Model | SamplingModel | config_lib.ModelConfig)
 
 @flax.struct.dataclass
 class _State:
+    """The decode loop's carry; rows (R) sharded along the mesh's data axes (`shard_rows`)."""
+
     step: Int[Array, " "]
     cache: layers.KVCache
     logits: Float[Array, "R V"]  # next-token logits
@@ -142,6 +144,21 @@ class _State:
     lengths: Int[Array, " R"]
     ids: Int[Array, "R L Tg K"]
     weights: Float[Array, "R L Tg K"]
+
+
+def _shard_rows(s: _State) -> _State:
+    """Each data shard of the context mesh decodes its own rows (and keeps their KV cache)."""
+    rows = sharding.constrain_rows
+    cache = s.cache.replace(
+        k=rows(s.cache.k, axis=1),
+        v=rows(s.cache.v, axis=1),
+        kv_positions=rows(s.cache.kv_positions),
+    )
+    return s.replace(
+        cache=cache, logits=rows(s.logits), tokens=rows(s.tokens), logps=rows(s.logps),
+        entropies=rows(s.entropies), done=rows(s.done), lengths=rows(s.lengths),
+        ids=rows(s.ids), weights=rows(s.weights),
+    )  # fmt: skip
 
 
 def _log_probs(logits, temperature):
@@ -282,6 +299,7 @@ def _sample_chunk(
         inputs = jnp.concatenate([prompts, prefix.tokens], axis=1)  # [R, Tp + Tg]
         input_mask = jnp.concatenate([prompt_mask, steps[None] < start[:, None]], axis=1)
         cache_len = Tp + 2 * gen_len
+    inputs, input_mask = sharding.constrain_rows(inputs), sharding.constrain_rows(input_mask)
     cache = model.init_cache(batch=B, max_length=cache_len)
     pre = model.forward(params, inputs, attention_mask=input_mask, cache=cache)
     last = Tp - 1 + (0 if prefix is None else start)  # each row's last real input position
@@ -317,22 +335,26 @@ def _sample_chunk(
         out = model.forward(params, token[:, None], attention_mask=live[:, None], cache=s.cache)
         at = jnp.minimum(s.lengths, gen_len - 1)  # each row writes at its own length
         live_lk = live[:, None, None]
-        return _State(
-            step=s.step + 1,
-            cache=out.cache,
-            logits=out.logits[:, -1],
-            key=key,
-            tokens=s.tokens.at[rows, at].set(jnp.where(live, token, s.tokens[rows, at])),
-            logps=s.logps.at[rows, at].set(jnp.where(live, logp, s.logps[rows, at])),
-            entropies=s.entropies.at[rows, at].set(jnp.where(live, entropy, s.entropies[rows, at])),
-            done=s.done | (live & _is_stop(token, stop_ids)),
-            lengths=s.lengths + live.astype(jnp.int32),
-            ids=s.ids.at[rows, :, at].set(
-                jnp.where(live_lk, out.router.expert_ids[:, :, 0], s.ids[rows, :, at])
-            ),
-            weights=s.weights.at[rows, :, at].set(
-                jnp.where(live_lk, out.router.expert_weights[:, :, 0], s.weights[rows, :, at])
-            ),
+        return _shard_rows(
+            _State(
+                step=s.step + 1,
+                cache=out.cache,
+                logits=out.logits[:, -1],
+                key=key,
+                tokens=s.tokens.at[rows, at].set(jnp.where(live, token, s.tokens[rows, at])),
+                logps=s.logps.at[rows, at].set(jnp.where(live, logp, s.logps[rows, at])),
+                entropies=s.entropies.at[rows, at].set(
+                    jnp.where(live, entropy, s.entropies[rows, at])
+                ),
+                done=s.done | (live & _is_stop(token, stop_ids)),
+                lengths=s.lengths + live.astype(jnp.int32),
+                ids=s.ids.at[rows, :, at].set(
+                    jnp.where(live_lk, out.router.expert_ids[:, :, 0], s.ids[rows, :, at])
+                ),
+                weights=s.weights.at[rows, :, at].set(
+                    jnp.where(live_lk, out.router.expert_weights[:, :, 0], s.weights[rows, :, at])
+                ),
+            )
         )
 
     def cond(s: _State):
@@ -351,20 +373,23 @@ def _sample_chunk(
         ids=gen_ids,
         weights=gen_w,
     )
-    state = jax.lax.while_loop(cond, body, state)
-    return SampleOutput(
-        prompt_tokens=rep(prompts),
-        prompt_mask=rep(prompt_mask),
-        tokens=state.tokens,
-        mask=steps[None] < state.lengths[:, None],
-        lengths=state.lengths,
-        finished=state.done,
-        num_steps=state.step,
-        logps=state.logps,
-        entropies=state.entropies,
-        router=prompt_trace.concat_time(
-            types.RouterTrace(expert_ids=state.ids, expert_weights=state.weights)
-        ),
+    state = jax.lax.while_loop(cond, body, _shard_rows(state))
+    # Replicated on the context mesh, if any: the host reads every row (in every process).
+    return sharding.replicate(
+        SampleOutput(
+            prompt_tokens=rep(prompts),
+            prompt_mask=rep(prompt_mask),
+            tokens=state.tokens,
+            mask=steps[None] < state.lengths[:, None],
+            lengths=state.lengths,
+            finished=state.done,
+            num_steps=state.step,
+            logps=state.logps,
+            entropies=state.entropies,
+            router=prompt_trace.concat_time(
+                types.RouterTrace(expert_ids=state.ids, expert_weights=state.weights)
+            ),
+        )
     )
 
 

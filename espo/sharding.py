@@ -165,6 +165,24 @@ def batch_sharding(mesh: jax.sharding.Mesh, *, leading: int = 0) -> NamedShardin
     return NamedSharding(mesh, P(*([None] * leading), BATCH_AXES))
 
 
+def constrain_rows(x, *, axis: int = 0):
+    """Inside a jitted function: `x` with its `axis` (rows) sharded along (data, fsdp) of the
+    context mesh (`jax.set_mesh`), so each data shard computes its own rows; unchanged without
+    a context mesh or when the rows do not split evenly."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or x.shape[axis] % _axis_size(mesh, BATCH_AXES):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(*([None] * axis), BATCH_AXES))
+
+
+def replicate(tree):
+    """Inside a jitted function: `tree` replicated over the context mesh, if any (the host reads
+    every row of it, in every process)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, P())
+
+
 def put_batch(tree, mesh: jax.sharding.Mesh, *, leading: int = 0):
     """Host arrays -> device arrays sharded along the batch axis (the one host->device copy)."""
     return jax.device_put(tree, batch_sharding(mesh, leading=leading))

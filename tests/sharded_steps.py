@@ -1,12 +1,13 @@
 """Sharded == single-device, run by tests/test_sharding.py in a subprocess with 8 emulated CPU
 devices (XLA_FLAGS must be set before jax is imported, so not in the pytest process).
 
-For each mesh (data, fsdp, expert) in MESHES: the forward (free routing and REPLAY_IDS), the old
-log-probs of `prepare`, and one SGD train step (loss, gradient norm, new params) with the
-parameters placed by `sharding.param_shardings` and the batch along (data, fsdp) equal the
-single-device results within 1e-5 (float32); each device holds E / expert experts and
-D / fsdp of the model dimension, and with an expert axis the MoE blocks run expert-parallel
-(`moe.expert_parallel_dispatch`: a shard_map over the context mesh, a psum over "expert").
+For each mesh (data, fsdp, expert) in MESHES: the forward (free routing and REPLAY_IDS), the
+sampler (rows decoded per data shard), the old log-probs of `prepare`, and one SGD train step
+(loss, gradient norm, new params), with the parameters placed by `sharding.param_shardings`
+and the batch along (data, fsdp), equal the single-device results within 1e-5 (float32); each
+device holds E / expert experts and D / fsdp of the model dimension, and with an expert axis
+the MoE blocks run expert-parallel (`moe.expert_parallel_dispatch`: a shard_map over the
+context mesh, a psum over "expert").
 Prints one line per mesh; exits non-zero on a mismatch.
 """
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from espo import advantages, batching, losses, sharding, testing, train_step
+from espo import advantages, batching, losses, sampler, sharding, testing, train_step
 from espo import model as model_lib
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4)]
@@ -68,7 +69,16 @@ def run(params, batch, mesh=None):
         step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params)
     )
     new, metrics = jax.jit(functools.partial(train_step.train_step, sc, opt))(state, mini)
+    # The sampler: 4 prompts x 2 samples, each data shard decoding its rows (threefry random
+    # bits do not depend on the sharding, so the tokens are the same).
+    prompts, prompt_mask = batch.tokens[:4, :TP], batch.attention_mask[:4, :TP]
+    sampled = sampler.sample_chunk(
+        model_lib.Model(CFG), params, prompts, prompt_mask, jax.random.key(7), jnp.int32(TG),
+        num_samples=2, gen_len=TG,
+        sampling=sampler.SamplingParams(max_new_tokens=TG, stop_ids=(CFG.vocab_size,), pad_id=0),
+    )  # fmt: skip
     out = dict(
+        sampled=(sampled.tokens, sampled.logps, sampled.entropies, sampled.router.expert_ids),
         free=(free.logits, free.router.expert_ids, free.router.expert_weights, free.aux.total),
         replay=(replay.logits, replay.router.expert_weights),
         old_logps=prepared.old_logps,
