@@ -222,6 +222,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # parameters / optimizer state sharded along the model dimension (ZeRO-3)
     c.mesh.expert = 1  # expert parallelism: each device holds num_experts / expert experts
 
+    # ---- distributed: jax.distributed.initialize (README "Device mesh") ------------------------
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator = ""  # host:port of process 0; "" = one process (or the env's)
+    c.distributed.num_processes = 1  # processes in the run
+    c.distributed.process_id = 0  # this process's index
+
     if variant == "tiny":
         c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
         c.model.update(num_experts=4, top_k=2, moe_ffn_dim=32)

@@ -260,6 +260,30 @@ class MeshConfig:
             raise ValueError(f"MeshConfig.{rest[1]}=-1 is invalid: at most one axis -1 ({rest[0]})")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """`jax.distributed.initialize` arguments: an empty coordinator = one process, or what the
+    environment says (JAX_COORDINATOR_ADDRESS; TPU pod slices and SLURM / Open MPI)."""
+
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self):
+        n = self.num_processes
+        check(
+            self,
+            {
+                "coordinator": (isinstance(self.coordinator, str), "a 'host:port' string"),
+                "num_processes": (_is_int(n) and n >= 1, "an int >= 1"),
+                "process_id": (
+                    _is_int(self.process_id) and 0 <= self.process_id < max(n, 1),
+                    f"an int in [0, num_processes={n})",
+                ),
+            },
+        )
+
+
 _CLASS_TO_KEY = re.compile(r"\b([A-Z][A-Za-z0-9]*)\.([a-z_][a-z0-9_]*)\s*=\s*")
 
 
@@ -302,6 +326,7 @@ class Settings:
     zve: zero_variance.ZveConfig
     reward: RewardConfig
     mesh: MeshConfig
+    distributed: DistributedConfig
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> Settings:
@@ -356,6 +381,7 @@ class Settings:
             zve=build(zero_variance.ZveConfig, c.zve, "zve"),
             reward=build(RewardConfig, c.reward, "reward"),
             mesh=build(MeshConfig, c.get("mesh") or {}, "mesh"),
+            distributed=build(DistributedConfig, c.get("distributed") or {}, "distributed"),
         )
 
     def loss_config(self, vocab_size: int) -> losses.LossConfig:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 import shutil
 import time
@@ -146,6 +147,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     t_start = time.perf_counter()
     # ---- settings: every section validated before anything compiles --------------------------
     s = config_lib.Settings.from_config(config)
+    initialize_distributed(s.distributed)
     # Everything traced inside runs on the mesh: MoE blocks split their experts over its
     # "expert" axis (`moe.expert_parallel_dispatch`), batches go along (data, fsdp).
     mesh = sharding.make_mesh(**dataclasses.asdict(s.mesh))
@@ -153,10 +155,28 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
         return _train(config, s, mesh, workdir, progress=progress, t_start=t_start)
 
 
+def initialize_distributed(d: config_lib.DistributedConfig) -> None:
+    """`jax.distributed.initialize` once per process, before the first computation: from
+    `config.distributed` when it names a coordinator, else from the environment when it has
+    one (JAX_COORDINATOR_ADDRESS; TPU pod slices and SLURM / Open MPI are detected by JAX);
+    nothing for one process. CPU devices of several processes talk through gloo."""
+    env = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if jax.distributed.is_initialized() or not (d.coordinator or env):
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if d.coordinator:
+        jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id)
+    else:
+        jax.distributed.initialize()
+
+
 def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     workdir = pathlib.Path(workdir or s.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+    main = jax.process_index() == 0  # the one process that writes logs, plots and exports
+    progress = progress and main
+    if main:
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
     root = jax.random.key(s.seed)
 
     # ---- model and tokenizer ------------------------------------------------------------------
@@ -235,9 +255,14 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         _evaluate, handle, evals=evals, encode=encode, reward_fn=reward_fn, tok=tok, s=s, stop=stop
     )
     if latest is not None:
-        abstract = jax.eval_shape(make_state, params)
+        # Restored straight into this run's shardings: a checkpoint of another mesh or process
+        # count (orbax reshards) resumes here, and `update` finds the state where it leaves it.
+        abstract = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+            jax.eval_shape(make_state, params),
+            state_sharding,
+        )
         state, saved = ckpt.restore(latest, abstract_state=abstract)
-        state = jax.device_put(state, state_sharding)  # where `update` returns it
         checkpoint.check_model_config(saved["model_config"], _model_dict(model_cfg))
         host.load(saved)
         start_step = latest
@@ -251,10 +276,12 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         host.start_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
         start_step = 0
         ckpt.save(0, state=state, host=host.state_dict(model_cfg), force=True)
-    metrics.truncate_jsonl(workdir / "metrics.jsonl", last_step=start_step)
+    if main:
+        metrics.truncate_jsonl(workdir / "metrics.jsonl", last_step=start_step)
     log = metrics.MetricsLogger(
-        workdir, total_steps=s.train.steps, start_step=start_step, progress=progress
-    )
+        workdir, total_steps=s.train.steps, start_step=start_step, progress=progress,
+        is_main_process=main,
+    )  # fmt: skip
     if latest is None:
         log.write(0, host.start_eval)
 
@@ -350,7 +377,8 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         pool.close()
         log.close()
         ckpt.close()
-    return _finish(s, workdir, host, final_eval, handle, state, tok, time.perf_counter() - t_start)
+    wall_s = time.perf_counter() - t_start
+    return _finish(s, workdir, host, final_eval, handle, state, tok, wall_s, rep)
 
 
 class _Generator:
@@ -535,18 +563,25 @@ def _evaluate(handle, params, key, *, evals, encode, reward_fn, tok, s, stop) ->
     )
 
 
-def _finish(s, workdir, host, final_eval, handle, state, tok, wall_s) -> dict:
+def _finish(s, workdir, host, final_eval, handle, state, tok, wall_s, replicated) -> dict:
     """summary.json, plots, the Hugging Face export, and the before/after table."""
     from espo import plots
 
     summary = dict(start=host.start_eval, final=final_eval, steps=s.train.steps, wall_s=wall_s)
+    # Every process takes part in gathering the params (sharded over all of them); process 0
+    # alone writes.
+    params = None
+    if s.hf_path and not (workdir / "export").exists():
+        params = jax.device_get(jax.jit(lambda p: p, out_shardings=replicated)(state.params))
+    if jax.process_index() != 0:
+        return summary
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_files = plots.plot_run(workdir)
     export = None
     if s.hf_path:
         export = workdir / "export"
-        if not export.exists():
-            model_lib.save_hf_checkpoint(handle.cfg, jax.device_get(state.params), export)
+        if params is not None:
+            model_lib.save_hf_checkpoint(handle.cfg, params, export)
             for name in TOKENIZER_FILES:
                 if (pathlib.Path(s.hf_path) / name).exists():
                     shutil.copy(pathlib.Path(s.hf_path) / name, export / name)

@@ -130,6 +130,18 @@ def test_mesh_config_errors_name_the_key():
         settings(data=-1, fsdp=-1)
 
 
+def test_distributed_config_errors_name_the_key():
+    cfg = testing.load_script(HERE.parent / "configs" / "default.py").get_config("tiny")
+    cfg.distributed.update(coordinator="127.0.0.1:1234", num_processes=2, process_id=2)
+    with pytest.raises(
+        config_lib.ConfigError,
+        match=r"--config\.distributed\.process_id=2 is invalid: an int in \[0, num_processes=2\)",
+    ):
+        config_lib.Settings.from_config(cfg)
+    cfg.distributed.process_id = 1
+    assert config_lib.Settings.from_config(cfg).distributed.process_id == 1
+
+
 def test_optimizer_state_follows_its_params():
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     make = lambda p: train_step.TrainState(

@@ -13,6 +13,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -176,17 +177,36 @@ def test_sigkill_mid_step_then_rerun_equals_uninterrupted(straight, tmp_path):
     _assert_same_runs(_comparable(workdir), _comparable(straight[0]))
 
 
-def test_eight_devices_with_expert_parallelism_equal_one_device(straight, tmp_path):
-    """The same 3 steps (warm start, FP8 rollouts, replay, updates, eval) on 8 emulated CPU
-    devices, mesh data=2 x expert=4: batches split in two, each device holding 1 of the 4
-    experts (`moe.expert_parallel_dispatch`). Sums run in another order: equal within 1e-5."""
-    mesh = ["--config.mesh.data=2", "--config.mesh.expert=4"]
-    cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(tmp_path),
-                 "--config.train.steps=3", *mesh]  # fmt: skip
-    env = dict(os.environ, **CACHE, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    _assert_same_runs(_comparable(tmp_path), _comparable(straight[0]), rtol=1e-5, atol=1e-6)
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_with_expert_parallelism_equal_one_process(straight, tmp_path):
+    """The same 3 steps (warm start, FP8 rollouts, replay, updates, eval) as 2 processes of 4
+    emulated CPU devices (jax.distributed, gloo), one mesh data=2 x expert=4 over all 8: batches
+    split in two, each device holding 1 of the 4 experts (`moe.expert_parallel_dispatch`).
+    Sums run in another order: equal within 1e-5. Only process 0 writes logs; its checkpoint
+    then resumes in one process of one device, as if the run had never been split."""
+    workdir = tmp_path / "two"
+    flags = ["--config.train.steps=3", "--config.mesh.data=2", "--config.mesh.expert=4",
+             f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
+             "--config.distributed.num_processes=2"]  # fmt: skip
+    cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(workdir), *flags]
+    env = dict(os.environ, **CACHE, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    procs = [
+        subprocess.Popen(cmd + [f"--config.distributed.process_id={i}"], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for i in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-4000:] for o in outs)
+    assert "logs:" in outs[0] and "logs:" not in outs[1]  # process 0 alone reports and writes
+    _assert_same_runs(_comparable(workdir), _comparable(straight[0]), rtol=1e-5, atol=1e-6)
+    resumed = tmp_path / "resumed"
+    _resume_from_step_2(workdir, resumed)
+    _assert_same_runs(_comparable(resumed), _comparable(straight[0]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
