@@ -104,7 +104,7 @@ def zero_variance_groups(
     lo = np.full(num_groups, np.inf, np.float32)  # [P]
     np.maximum.at(hi, ids[ok], rewards[ok])  # np.maximum propagates NaN, as np.ptp does
     np.minimum.at(lo, ids[ok], rewards[ok])
-    with np.errstate(invalid="ignore"):  # inf - inf on groups without a valid row
+    with np.errstate(invalid="ignore"):  # inf - inf: valid rewards all +inf (or all -inf)
         spread = hi - lo  # [P]
     return (num_valid < 2) | (spread <= atol), num_valid
 
@@ -164,7 +164,9 @@ class PassRateTable:
                     f"{path} holds pass rates of policy_tag={old.policy_tag!r}, not "
                     f"{self.policy_tag!r}; delete it or pass overwrite_other_tag=True"
                 )
-        state = dict(dataclasses.asdict(self), format=FORMAT, pass_rates=dict(self.pass_rates))
+        # vars, not dataclasses.asdict: asdict deep-copies pass_rates, which fails on a read-only
+        # Mapping (a MappingProxyType cannot be pickled); dict() makes any Mapping JSON-able.
+        state = dict(vars(self), format=FORMAT, pass_rates=dict(self.pass_rates))
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
