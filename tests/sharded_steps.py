@@ -8,7 +8,8 @@ and the batch along (data, fsdp), equal the single-device results within 1e-5 (f
 device holds E / expert experts and D / fsdp of the model dimension, and with an expert axis
 the MoE blocks run expert-parallel (`moe.expert_parallel_dispatch`: a shard_map over the
 context mesh, a psum over "expert").
-Prints one line per mesh; exits non-zero on a mismatch.
+Prints one line per mesh (those given as "d,f,e" arguments, else MESHES); exits non-zero on a
+mismatch.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def run(params, batch, mesh=None):
     return out, params
 
 
-def main() -> int:
+def main(meshes=MESHES) -> int:
     assert jax.device_count() == 8, f"{jax.device_count()} devices: set XLA_FLAGS"
     batch, params = testing.random_train_batch(
         CFG, num_rows=N, prompt_length=TP, generation_length=TG, seed=3
@@ -99,7 +100,7 @@ def main() -> int:
         single, _ = run(params, batch)
     single = jax.device_get(single)
     assert float(single["grad_norm"]) > 1e-3
-    for data, fsdp, expert in MESHES:
+    for data, fsdp, expert in meshes:
         mesh = sharding.make_mesh(data=data, fsdp=fsdp, expert=expert)
         with jax.set_mesh(mesh):  # the context mesh: MoE blocks split the experts over it
             got, placed = run(params, batch, mesh)
@@ -120,4 +121,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Meshes "d,f,e" on the command line (default: all of MESHES).
+    sys.exit(main([tuple(map(int, m.split(","))) for m in sys.argv[1:]] or MESHES))
