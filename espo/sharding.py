@@ -21,7 +21,6 @@ BATCH_AXES = ("data", "fsdp")
 
 # Logical parameter axis -> mesh axis (or a tuple of them, or None: replicated).
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", BATCH_AXES),
     ("expert", "expert"),
     ("embed", "fsdp"),
     ("vocab", None),
@@ -128,9 +127,19 @@ def state_shardings(mesh: jax.sharding.Mesh, optimizer, abstract_state, rules=RU
     return abstract_state.replace(step=rep, params=params, opt_state=opt, ref_params=ref)
 
 
+def batch_shards(mesh) -> int:
+    """How many shards a batch splits into: the size of (data x fsdp)."""
+    return _axis_size(mesh, BATCH_AXES)
+
+
+def _batch_spec(leading: int = 0) -> P:
+    """Axis `leading` along the batch axes, the others replicated."""
+    return P(*([None] * leading), BATCH_AXES)
+
+
 def check_batch(mesh: jax.sharding.Mesh, num_rows: int, *, what: str = "the batch") -> None:
     """`num_rows` must split evenly over the batch axes (data x fsdp)."""
-    n = _axis_size(mesh, BATCH_AXES)
+    n = batch_shards(mesh)
     if num_rows % n:
         raise ValueError(
             f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']} = {n} does not divide "
@@ -162,7 +171,7 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 def batch_sharding(mesh: jax.sharding.Mesh, *, leading: int = 0) -> NamedSharding:
     """Shards axis `leading` of every leaf along (data, fsdp); other axes replicated."""
-    return NamedSharding(mesh, P(*([None] * leading), BATCH_AXES))
+    return NamedSharding(mesh, _batch_spec(leading))
 
 
 def constrain_rows(x, *, axis: int = 0):
@@ -170,9 +179,9 @@ def constrain_rows(x, *, axis: int = 0):
     context mesh (`jax.set_mesh`), so each data shard computes its own rows; unchanged without
     a context mesh or when the rows do not split evenly."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or x.shape[axis] % _axis_size(mesh, BATCH_AXES):
+    if mesh.empty or x.shape[axis] % batch_shards(mesh):
         return x
-    return jax.lax.with_sharding_constraint(x, P(*([None] * axis), BATCH_AXES))
+    return jax.lax.with_sharding_constraint(x, _batch_spec(axis))
 
 
 def replicate(tree):

@@ -244,7 +244,8 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     )
     # Params, reference params and optimizer state placed by espo.sharding's rules; `update`
     # returns the state where it found it (no resharding, no recompiles after step 1).
-    state_sharding = sharding.state_shardings(mesh, optimizer, jax.eval_shape(make_state, params))
+    abstract = jax.eval_shape(make_state, params)
+    state_sharding = sharding.state_shardings(mesh, optimizer, abstract)
     update = jax.jit(
         functools.partial(train_step.train_step, sc, optimizer),
         donate_argnums=(0,),
@@ -257,12 +258,12 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     if latest is not None:
         # Restored straight into this run's shardings: a checkpoint of another mesh or process
         # count (orbax reshards) resumes here, and `update` finds the state where it leaves it.
-        abstract = jax.tree.map(
+        target = jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-            jax.eval_shape(make_state, params),
+            abstract,
             state_sharding,
         )
-        state, saved = ckpt.restore(latest, abstract_state=abstract)
+        state, saved = ckpt.restore(latest, abstract_state=target)
         checkpoint.check_model_config(saved["model_config"], _model_dict(model_cfg))
         host.load(saved)
         start_step = latest

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from espo import sharding
 from espo.model import config as config_lib
 from espo.model import layers
 
@@ -376,13 +377,12 @@ def expert_parallel_dispatch(
     E, (M, K) = w_gate.shape[0], ids.shape
     if E % n:
         raise ValueError(f"{E} experts do not split over the mesh's expert axis of size {n}")
-    batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
-    shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    shards = sharding.batch_shards(mesh)
     sharded = M % shards == 0  # else the tokens are replicated: each device takes them all
-    tokens = jax.sharding.PartitionSpec(batch_axes if sharded else None)
+    tokens = jax.sharding.PartitionSpec(sharding.BATCH_AXES if sharded else None)
     experts = jax.sharding.PartitionSpec("expert")
     capacity = capacity_for(max(1, (M // shards if sharded else M) * K // n), E // n)
-    weight_axes = batch_axes if sharded else ()  # the axes the tokens vary over
+    weight_axes = sharding.BATCH_AXES if sharded else ()  # the axes the tokens vary over
 
     def local(x, ids, weights, w_gate, w_up, w_down):
         # Tokens are the same on every expert shard and weights on every batch shard; what
