@@ -60,6 +60,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # ---- model: espo.model.ModelConfig fields, or a Hugging Face checkpoint directory ------------
     c.model = ml_collections.ConfigDict()
     c.model.hf_path = ""  # local Qwen3-MoE / Mixtral dir (+ tokenizer files); overrides the rest
+    c.model.init_from = ""  # an espo workdir: start from its newest checkpoint's params (no sft)
     c.model.vocab_size = 128  # V (the character tokenizer uses 98 ids)
     c.model.d_model = 128  # D
     c.model.num_layers = 4  # L
@@ -100,6 +101,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0  # nucleus mass kept
     c.rollout.top_k = 0  # 0 = no top-k truncation
     c.rollout.fp8 = True  # sample from FP8 (e4m3) weights; training stays in param_dtype
+    c.rollout.dtype = ""  # sampler activation dtype (float32 | bfloat16); "" = model.dtype
     c.rollout.max_chunk_size = 128  # rows decoded together
     c.rollout.schedule = "length_aware"  # length_aware | fifo
     c.rollout.reward_workers = 2  # reward process pool size

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints
 
@@ -126,22 +127,33 @@ class Checkpointer:
     Saving is synchronous: when `save` returns the step is complete on disk.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, every_steps: int, keep: int):
+    def __init__(
+        self, directory: str | os.PathLike, *, every_steps: int, keep: int, read_only: bool = False
+    ):
         self.every_steps = _positive_int("every_steps", every_steps)
         self.keep = _positive_int("keep", keep)
         self.directory = pathlib.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep,
-            create=True,
-            cleanup_tmp_directories=True,  # a save cut short by a kill leaves a tmp dir
+            max_to_keep=None if read_only else self.keep,
+            save_interval_steps=0 if read_only else 1,
+            create=not read_only,
+            # a save cut short by a kill leaves a tmp dir; another run's directory is not ours
+            cleanup_tmp_directories=not read_only,
             enable_async_checkpointing=False,
+            read_only=read_only,
         )
         # Handlers named up front: restore_host / item_metadata then need no handler registry
         # (orbax warns "Item ... could not be restored" without them).
         handlers = dict(state=ocp.StandardCheckpointHandler(), host=ocp.JsonCheckpointHandler())
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=handlers
-        )
+        verbosity = logging.get_verbosity()
+        if read_only:  # orbax warns that a read-only directory is read only
+            logging.set_verbosity(logging.ERROR)
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=handlers
+            )
+        finally:
+            logging.set_verbosity(verbosity)
         # orbax removes unfinished saves in the background and waits for that only before its
         # next save; wait now, so the directory is settled once the constructor returns.
         await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
@@ -250,6 +262,27 @@ class Checkpointer:
                 f"builds: {e}"
             ) from e
         return out.state, dict(out.host)
+
+    def restore_params(self, step: int | None = None) -> tuple[Any, dict]:
+        """(params, host) of `step` (default: the newest), whatever the rest of the state holds.
+
+        Every array is read as saved, onto this process's first device (the optimizer state is
+        read and dropped: orbax restores a tree whole).
+        """
+        step = self._resolve(step)
+        saved = self._manager.item_metadata(step)["state"]
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        is_meta = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device),
+            getattr(saved, "tree", saved),
+            is_leaf=is_meta,
+        )
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), host=ocp.args.JsonRestore()
+        )
+        out = self._manager.restore(step, args=args)
+        return out.state["params"], dict(out.host)
 
     def close(self) -> None:
         self._manager.close()

@@ -172,6 +172,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     fp8: bool = True
+    dtype: str = ""  # sampler activation / matmul dtype; "" = the model's
     max_chunk_size: int = 64
     schedule: str = "length_aware"
     reward_workers: int = 2
@@ -185,6 +186,8 @@ class RolloutConfig:
                 "top_p": (_is_num(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
                 "top_k": (_is_int(self.top_k) and self.top_k >= 0, "an int >= 0"),
                 "fp8": (isinstance(self.fp8, bool), "True or False"),
+                "dtype": (self.dtype in ("", "float32", "bfloat16", "float16"),
+                          "'' (the model's), float32, bfloat16 or float16"),
                 "max_chunk_size": (_is_int(self.max_chunk_size) and self.max_chunk_size >= 1,
                                    "an int >= 1"),
                 "schedule": (self.schedule in ("length_aware", "fifo"), "length_aware or fifo"),
@@ -310,6 +313,7 @@ class Settings:
     seed: int
     workdir: str
     hf_path: str
+    init_from: str  # an espo workdir whose newest checkpoint's params start the run ("" = none)
     model: model_config.ModelConfig | None  # None with hf_path (read from the checkpoint)
     data: data_examples.DataConfig
     max_prompt_length: int
@@ -333,6 +337,12 @@ class Settings:
         c = config
         model = dict(c.model.to_dict())
         hf_path = model.pop("hf_path", "")
+        init_from = model.pop("init_from", "")
+        if init_from and hf_path:
+            raise ConfigError(
+                f"--config.model.init_from={init_from!r} is invalid with model.hf_path: the "
+                "weights come from one of them"
+            )
         data = dict(c.data.to_dict())
         max_prompt_length = data.pop("max_prompt_length")
         if not (_is_int(max_prompt_length) and max_prompt_length >= 1):
@@ -365,6 +375,7 @@ class Settings:
             seed=c.seed,
             workdir=c.workdir,
             hf_path=hf_path,
+            init_from=init_from,
             model=None if hf_path else build(model_config.ModelConfig, model, "model"),
             data=build(data_examples.DataConfig, data, "data", seed=c.seed),
             max_prompt_length=max_prompt_length,

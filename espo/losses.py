@@ -586,5 +586,34 @@ def compute_loss(
 
     batch = Batch(logps, old_logps, advantages, mask, entropies, penalty, is_weights)
     out = LOSSES[cfg.name].fn(cfg, batch)
+    metrics.update(gradient_use(cfg, batch))
     metrics.update({name: _sg(value).astype(jnp.float32) for name, value in out.metrics.items()})
     return _output(out.numerator, out.denominator, metrics)
+
+
+def gradient_use(cfg: LossConfig, batch: Batch) -> dict[str, Float[Array, ""]]:
+    """Gradient utilisation (the ESPO paper's comparison): which loss tokens the update moves.
+
+    A token is live when the policy-gradient term's derivative w.r.t. its log-prob is nonzero
+    (the KL penalty left out): it is dead when its advantage is 0, when its ratio is clipped (the
+    token's, or for GSPO / ESPO its sequence's or entropy group's), or when its IS weight is 0.
+    grad_token_frac = live share of the loss tokens. With entropies, per ESPO entropy group k
+    (`entropy_groups` with cfg.top_frac / num_groups / quantile_scope, for every loss; 0 = the
+    highest entropies): grad_frac_group{k} = live share, clipped_frac_group{k} = share with a
+    nonzero advantage and no gradient.
+    """
+    pg = batch._replace(logps=_sg(batch.logps), penalty=jnp.zeros_like(batch.penalty))
+    numerator = lambda lp: LOSSES[cfg.name].fn(cfg, pg._replace(logps=lp)).numerator
+    live = (jax.grad(numerator)(pg.logps) != 0) & batch.mask  # [B, T]
+    out = {"grad_token_frac": _token_mean(live, batch.mask)}
+    if batch.entropies is not None:
+        groups = entropy_groups(
+            batch.entropies, batch.mask, top_frac=cfg.top_frac, num_groups=cfg.num_groups,
+            scope=cfg.quantile_scope,
+        )  # fmt: skip
+        signal = batch.advantages != 0  # [B, T]
+        for k in range(cfg.num_groups):
+            in_group = batch.mask & (groups == k)
+            out[f"grad_frac_group{k}"] = _token_mean(live, in_group)
+            out[f"clipped_frac_group{k}"] = _token_mean(signal & ~live, in_group)
+    return {name: _sg(value) for name, value in out.items()}

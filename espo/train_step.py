@@ -387,7 +387,8 @@ def _micro_loss(sc: StepConfig, params, mb, packed=None):
         old_logps=mb.old_logps,
         advantages=adv,
         mask=loss_mask,
-        entropies=pick(sc.entropy.espo) if sc.loss.name == "espo" else None,
+        # ESPO groups by them; every loss reports entropy and gradient use per entropy group.
+        entropies=pick(sc.entropy.espo),
         ref_logps=mb.ref_logps if sc.loss.kl_coef > 0 else None,
         finished=mb.finished,
         sampler_logps=mb.sampler_logps,

@@ -64,7 +64,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 def _model(s: config_lib.Settings, key) -> tuple[model_lib.ModelConfig, dict]:
     if s.hf_path:
         return model_lib.load_hf_checkpoint(s.hf_path)
+    if s.init_from:
+        return s.model, _params_of_run(s.init_from, s.model)
     return s.model, model_lib.init(s.model, key)
+
+
+def _params_of_run(workdir: str, model_cfg) -> dict:
+    """The params of the newest checkpoint of the espo run in `workdir` (read only), e.g. one
+    warm start shared by the arms of an experiment; its model config must equal this run's."""
+    directory = pathlib.Path(workdir) / "checkpoints"
+    where = f"--config.model.init_from={workdir!r}"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{where}: not an espo workdir (no {directory})")
+    with checkpoint.Checkpointer(directory, every_steps=1, keep=1, read_only=True) as ckpt:
+        if ckpt.latest_step() is None:
+            raise FileNotFoundError(f"{where}: no checkpoint in {directory}")
+        params, host = ckpt.restore_params()
+    checkpoint.check_model_config(host["model_config"], _model_dict(model_cfg))
+    return params
 
 
 def _reward_fn(s: config_lib.Settings):
@@ -218,7 +235,13 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     sc = step_config(s, model_cfg, micro_batch_size=micro_rows)
     rep = sharding.replicated(mesh)
     prepare = jax.jit(functools.partial(train_step.prepare, sc), out_shardings=None)
-    fp8 = jax.jit(functools.partial(quant.quantize_fp8, keep_dtype=model_cfg.dtype))
+    # The rollout engine's model: activations in rollout.dtype (e.g. bfloat16 while training in
+    # float32), weights in FP8 with rollout.fp8; the train-inference mismatch this makes is
+    # measured by `prepare` (mismatch/*) and corrected by router replay and loss.rollout_is.
+    sampler_handle = model_lib.Model(
+        dataclasses.replace(model_cfg, dtype=s.rollout.dtype or model_cfg.dtype)
+    )
+    fp8 = jax.jit(functools.partial(quant.quantize_fp8, keep_dtype=sampler_handle.cfg.dtype))
 
     # ---- resume, or warm start ------------------------------------------------------------------
     # Resume order: 1. the newest checkpoint step; 2. its model config must match; 3. arrays
@@ -269,7 +292,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         start_step = latest
         logging.info("resumed from %s step %d", ckpt, latest)
     else:
-        if s.sft.steps and not s.hf_path:
+        if s.sft.steps and not (s.hf_path or s.init_from):
             params = _warm_start(
                 s, model_cfg, params, train_src, tok, encode, Tp, curr, progress=progress
             )
@@ -303,8 +326,8 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
             stage = curr.stage(host.curriculum)
             with timer.phase("rollout"):
                 params_r = fp8(state.params) if s.rollout.fp8 else state.params
-                gen = _Generator(s=s, stage=stage, handle=handle, params=params_r, pool=pool,
-                                 host=host, encode=encode, stop=stop, key=key, Tp=Tp,
+                gen = _Generator(s=s, stage=stage, handle=sampler_handle, params=params_r,
+                                 pool=pool, host=host, encode=encode, stop=stop, key=key, Tp=Tp,
                                  Tg=Tg)  # fmt: skip
                 zcfg = dataclasses.replace(
                     s.zve,

@@ -28,7 +28,11 @@ from espo.data import sources, tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = [sys.executable, str(ROOT / "experiments" / "run.py")]
-CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/espo_test_jax_cache"}
+
+
+def _cache() -> dict:
+    """The session's persistent compilation cache (tests/conftest.py), for subprocess runs."""
+    return {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
 
 
 def _config(file: str = "default", **overrides):
@@ -57,7 +61,6 @@ def _assert_same_runs(a: list[dict], b: list[dict], *, rtol=1e-6, atol=1e-7) -> 
 
 
 def _train_3_steps(workdir, **overrides) -> dict:
-    jax.config.update("jax_compilation_cache_dir", CACHE["JAX_COMPILATION_CACHE_DIR"])
     return trainer.train(_config(train__steps=3, **overrides), str(workdir), progress=False)
 
 
@@ -96,6 +99,37 @@ def test_tiny_run_writes_what_a_user_sees(straight):
     assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
     assert list((workdir / "plots").glob("*.png"))
     assert list((workdir / "tensorboard").rglob("events.out.tfevents*"))
+
+
+def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypatch):
+    """model.init_from: the arms of an experiment share one warm start. The new run reads only
+    the params of the source's newest checkpoint (no SFT), so its step-0 eval (same seed, same
+    eval key) is the source's final eval; the source directory is left as it was. The arm also
+    samples in rollout.dtype=bfloat16 (the engine's model), while eval and training stay float32."""
+    source, _ = straight
+    before = sorted(p.name for p in (source / "checkpoints").iterdir())
+    monkeypatch.setattr(trainer, "_warm_start", lambda *a, **k: pytest.fail("warm start ran"))
+    dtypes, generate = [], trainer.rollout.generate_and_score
+    spy = lambda handle, *a, **k: dtypes.append(handle.cfg.dtype) or generate(handle, *a, **k)
+    monkeypatch.setattr(trainer.rollout, "generate_and_score", spy)
+    workdir = tmp_path / "arm"
+    cfg = _config(model__init_from=str(source), train__steps=1, rollout__dtype="bfloat16")
+    cfg.rollout.fp8 = False
+    trainer.train(cfg, str(workdir), progress=False)
+    assert dtypes and set(dtypes) == {"bfloat16"}
+    assert metrics.read_jsonl(workdir / "metrics.jsonl")[1]["mismatch/k3_kl"] > 0
+    start = metrics.read_jsonl(workdir / "metrics.jsonl")[0]
+    final = metrics.read_jsonl(source / "metrics.jsonl")[-1]
+    evals = {k: v for k, v in final.items() if k.startswith("eval/")}
+    assert len(evals) > 3 and {k: start[k] for k in evals} == evals
+    assert sorted(p.name for p in (source / "checkpoints").iterdir()) == before
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=r"d_model: checkpoint 32"):
+        cfg = _config(model__init_from=str(source), model__d_model=48, train__steps=1)
+        trainer.train(cfg, str(tmp_path / "other"), progress=False)
+    with pytest.raises(FileNotFoundError, match=r"init_from=.*not an espo workdir"):
+        trainer.train(_config(model__init_from=str(tmp_path)), str(tmp_path / "x"))
+    with pytest.raises(config_lib.ConfigError, match=r"init_from=.* with model\.hf_path"):
+        config_lib.Settings.from_config(_config(model__init_from="a", model__hf_path="b"))
 
 
 def test_warm_start_trains_on_the_worked_solutions(tmp_path, monkeypatch):
@@ -159,7 +193,7 @@ def test_sigkill_mid_step_then_rerun_equals_uninterrupted(straight, tmp_path):
     shutil.rmtree(workdir / "checkpoints" / "3")
     cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(workdir),
                  "--config.train.steps=3"]  # fmt: skip
-    env = dict(os.environ, **CACHE)
+    env = dict(os.environ, **_cache())
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     # The resumed process truncates metrics.jsonl to step 2, then works on step 3: kill it then.
     deadline = time.time() + 300
@@ -194,7 +228,7 @@ def test_two_processes_with_expert_parallelism_equal_one_process(straight, tmp_p
              f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
              "--config.distributed.num_processes=2"]  # fmt: skip
     cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(workdir), *flags]
-    env = dict(os.environ, **CACHE, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, **_cache(), XLA_FLAGS="--xla_force_host_platform_device_count=4")
     procs = [
         subprocess.Popen(cmd + [f"--config.distributed.process_id={i}"], env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
