@@ -1,0 +1,261 @@
+"""What the `experiments/repro_*.py` scripts share: arms of real `espo.trainer.train` runs from one
+warm start, their curves read back from each run's metrics.jsonl, Markdown tables, PNG plots.
+
+An experiment is a set of arms (config overrides) x seeds. `warm_start` trains the supervised
+warm start once (`train.steps=0`); every arm starts from its params (`model.init_from`) and
+differs from the others only in its overrides and its seed, so the spread over seeds is the
+spread of RL alone. Every run lives in OUT/<arm>/seed<k>: rerunning a script resumes the runs cut
+short (the trainer's exact resume) and skips the finished ones (their summary.json is there).
+
+Presets: "quick" (the tiny config, a couple of steps: what the tests run so no script can rot),
+"cpu" (the embedded default model at a scale 2 cores finish in minutes an arm) and "large" (a
+bigger model and budget for a GPU/TPU host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+import ml_collections
+import numpy as np
+from matplotlib import figure as mpl_figure
+from matplotlib.backends import backend_agg
+
+from espo import metrics, testing, trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PRESETS = ("quick", "cpu", "large")
+
+# Config overrides of each preset on configs/default.py ("quick" starts from its tiny variant).
+_PRESET_OVERRIDES = {
+    "quick": {"train.steps": 2, "eval.every_steps": 1, "checkpoint.every_steps": 1},
+    "cpu": {
+        "train.steps": 30,
+        "eval.every_steps": 10,
+        "eval.num_prompts": 128,
+        "eval.samples": 4,
+        "checkpoint.every_steps": 10,
+    },
+    "large": {
+        "model.d_model": 256,
+        "model.num_layers": 8,
+        "model.num_experts": 32,
+        "model.moe_ffn_dim": 256,
+        "sft.steps": 1000,
+        "train.steps": 200,
+        "train.prompts_per_step": 64,
+        "eval.every_steps": 20,
+        "eval.num_prompts": 512,
+        "checkpoint.every_steps": 20,
+    },
+}
+
+
+def config(preset: str, overrides: Mapping[str, object] = ()) -> ml_collections.ConfigDict:
+    """configs/default.py at `preset`, then `overrides` ({"loss.name": "grpo", ...})."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r} is invalid; valid: {', '.join(PRESETS)}")
+    module = testing.load_script(ROOT / "configs" / "default.py", name="espo_default_config")
+    cfg = module.get_config("tiny" if preset == "quick" else "")
+    for key, value in {**_PRESET_OVERRIDES[preset], **dict(overrides)}.items():
+        section, _, field = key.rpartition(".")
+        node = cfg
+        for part in section.split(".") if section else ():
+            node = node[part]
+        if field not in node:
+            raise KeyError(f"override {key!r}: no such config field")
+        node[field] = value
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One setting of an experiment: a name (its directory) and its config overrides."""
+
+    name: str
+    overrides: Mapping[str, object]
+    label: str = ""  # legend / table name; "" = name
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
+
+
+def run(cfg: ml_collections.ConfigDict, workdir: pathlib.Path, *, progress: bool) -> list[dict]:
+    """Trains (or resumes) the run in `workdir` unless it finished; its metrics.jsonl records."""
+    done = workdir / "summary.json"
+    if not done.exists() or json.loads(done.read_text())["steps"] != cfg.train.steps:
+        trainer.train(cfg, str(workdir), progress=progress)
+    return metrics.read_jsonl(workdir / "metrics.jsonl")
+
+
+def warm_start(out: pathlib.Path, preset: str, *, seed: int, progress: bool) -> pathlib.Path:
+    """The supervised warm start every arm starts from: OUT/warm_start (train.steps=0)."""
+    workdir = out / "warm_start"
+    run(config(preset, {"seed": seed, "train.steps": 0}), workdir, progress=progress)
+    return workdir
+
+
+def run_arms(
+    out: pathlib.Path,
+    preset: str,
+    arms: Sequence[Arm],
+    seeds: Sequence[int],
+    *,
+    progress: bool = True,
+    common: Mapping[str, object] = (),
+) -> dict[str, list[list[dict]]]:
+    """{arm name: [records of seed k]} after every arm x seed ran from one warm start."""
+    base = warm_start(out, preset, seed=seeds[0], progress=progress)
+    runs = {}
+    for arm in arms:
+        runs[arm.name] = []
+        for seed in seeds:
+            overrides = {**dict(common), **dict(arm.overrides), "seed": seed}
+            overrides["model.init_from"] = str(base)
+            cfg = config(preset, overrides)
+            print(f"== {arm.title}, seed {seed}", flush=True)
+            runs[arm.name].append(run(cfg, out / arm.name / f"seed{seed}", progress=progress))
+    return runs
+
+
+# ---- reading curves --------------------------------------------------------------------------
+def series(records: Sequence[dict], key: str, x: str = "step") -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of the records that hold a finite `key` (eval metrics: the eval steps only).
+
+    x="step", or a per-step metric to accumulate (e.g. "train/rollouts": compute spent so far).
+    """
+    xs = np.array([r["step"] for r in records], float)
+    if x != "step":
+        xs = np.cumsum([r.get(x) or 0.0 for r in records])
+    keep = [i for i, r in enumerate(records) if _finite(r.get(key))]
+    return xs[keep], np.array([records[i][key] for i in keep], float)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def last(records: Sequence[dict], key: str) -> float:
+    """The newest finite value of `key` (nan when there is none)."""
+    _, ys = series(records, key)
+    return float(ys[-1]) if len(ys) else math.nan
+
+
+def mean_over(records: Sequence[dict], key: str, *, first_step: int = 1) -> float:
+    """The mean of `key` over the steps >= first_step that hold it (nan when none do)."""
+    xs, ys = series(records, key)
+    ys = ys[xs >= first_step]
+    return float(ys.mean()) if len(ys) else math.nan
+
+
+def spread(values: Sequence[float], digits: int = 3) -> str:
+    """'m' for one value, 'm ± s' (population std over seeds) for several; nan-safe."""
+    v = np.array([x for x in values if _finite(x)], float)
+    if not len(v):
+        return "n/a"
+    if len(v) == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{v.mean():.{digits}f} ± {v.std():.{digits}f}"
+
+
+def per_seed(runs: Sequence[list[dict]], fn: Callable[[list[dict]], float]) -> list[float]:
+    return [fn(records) for records in runs]
+
+
+# ---- writing results -------------------------------------------------------------------------
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot(
+    path: pathlib.Path,
+    panels: Sequence[tuple[str, str]],
+    curves: Callable[[str], Mapping[str, Sequence[tuple[np.ndarray, np.ndarray]]]],
+    *,
+    xlabel: str = "RL step",
+    title: str = "",
+) -> pathlib.Path:
+    """One PNG with a panel per (key, y label); `curves(key)` -> {arm label: [(x, y) per seed]}.
+
+    Each arm is the mean over its seeds (on the x of its first seed) with the min-max band.
+    """
+    fig = mpl_figure.Figure(figsize=(5.0 * len(panels), 3.6), dpi=110)
+    backend_agg.FigureCanvasAgg(fig)
+    for i, (key, ylabel) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for label, seeds in curves(key).items():
+            seeds = [(x, y) for x, y in seeds if len(y)]
+            if not seeds:
+                continue
+            n = min(len(y) for _, y in seeds)
+            xs, ys = seeds[0][0][:n], np.stack([y[:n] for _, y in seeds])
+            (line,) = ax.plot(xs, ys.mean(0), label=label, marker="o" if n <= 12 else None)
+            if len(seeds) > 1:
+                ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(key, fontsize=9)
+        ax.grid(alpha=0.3)
+        if i == 0:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def write_results(out: pathlib.Path, title: str, sections: Sequence[str], data: dict) -> str:
+    """OUT/results.md (title, command, sections) and OUT/results.json (`data`)."""
+    text = f"# {title}\n\n" + "\n\n".join(sections) + "\n"
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(data, indent=2, default=float) + "\n")
+    return text
+
+
+def parser(doc: str, *, out: str, seeds: str) -> argparse.ArgumentParser:
+    """The options every repro script takes: --preset / --quick, --seeds, --out, --no-progress."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--preset", choices=PRESETS, default="cpu")
+    p.add_argument("--quick", action="store_const", const="quick", dest="preset")
+    p.add_argument("--seeds", default=seeds, help="comma-separated RL seeds")
+    p.add_argument("--out", default=out, help="output directory (rerun: resumes)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def seeds_of(args: argparse.Namespace) -> list[int]:
+    return [int(s) for s in args.seeds.split(",")]
+
+
+def curves_of(runs: Mapping[str, list[list[dict]]], arms: Sequence[Arm]):
+    """`plot`'s `curves`: key -> {arm label: [(step, value) of each seed]}."""
+    return lambda key: {a.title: [series(r, key) for r in runs[a.name]] for a in arms}
+
+
+def finish(
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    *,
+    script: str,
+    title: str,
+    sections: Sequence[str],
+    files: Sequence[pathlib.Path],
+    data: dict,
+) -> None:
+    """Writes and prints OUT/results.md (with the command that made it) and results.json."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join(["python", f"experiments/{script}", *argv])
+    head = f"`{command}` (preset {args.preset}, seeds {seeds_of(args)})"
+    pictures = "\n".join(f"![{f.stem}]({f.name})" for f in files)
+    print(write_results(pathlib.Path(args.out), title, [head, *sections, pictures], data))
