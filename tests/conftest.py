@@ -1,18 +1,25 @@
 """Shared pytest configuration.
 
 - float32 matmuls at full precision on every backend, so tolerances mean the same everywhere;
+- a persistent compilation cache, fresh per session (repeated tiny trainer runs compile once);
 - hypothesis: no deadline (jit compiles make the first example slow) and a bounded example count;
 - in CI (`CI=true`) a skipped test is a failure: a missing install or a wrongly guarded test
   shows up red instead of hiding as a skip. Locally skips stay skips.
 """
 
 import os
+import tempfile
 
 import hypothesis
 import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# A persistent compilation cache for this session: the many trainer runs of the tiny configs
+# (and other tests that build the same programs with new jit objects) compile once. Fresh per
+# session, so a run's timings never depend on an earlier one.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="espo_jax_cache_"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 hypothesis.settings.register_profile(
     "espo", deadline=None, max_examples=40, derandomize=True, print_blob=True
