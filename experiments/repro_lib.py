@@ -95,9 +95,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: pathlib.Path, *, progress: bool
     return metrics.read_jsonl(workdir / "metrics.jsonl")
 
 
-def warm_start(out: pathlib.Path, preset: str, *, seed: int, progress: bool) -> pathlib.Path:
-    """The supervised warm start every arm starts from: OUT/warm_start (train.steps=0)."""
-    workdir = out / "warm_start"
+def warm_start(workdir: pathlib.Path, preset: str, *, seed: int, progress: bool) -> pathlib.Path:
+    """The supervised warm start every arm starts from (a run of train.steps=0 in `workdir`)."""
     run(config(preset, {"seed": seed, "train.steps": 0}), workdir, progress=progress)
     return workdir
 
@@ -110,9 +109,11 @@ def run_arms(
     *,
     progress: bool = True,
     common: Mapping[str, object] = (),
+    warm: pathlib.Path | None = None,
 ) -> dict[str, list[list[dict]]]:
-    """{arm name: [records of seed k]} after every arm x seed ran from one warm start."""
-    base = warm_start(out, preset, seed=seeds[0], progress=progress)
+    """{arm name: [records of seed k]} after every arm x seed ran from one warm start (in
+    `warm`, default OUT/warm_start; scripts given the same directory share it)."""
+    base = warm_start(warm or out / "warm_start", preset, seed=seeds[0], progress=progress)
     runs = {}
     for arm in arms:
         runs[arm.name] = []
@@ -230,6 +231,12 @@ def parser(doc: str, *, out: str, seeds: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_const", const="quick", dest="preset")
     p.add_argument("--seeds", default=seeds, help="comma-separated RL seeds")
     p.add_argument("--out", default=out, help="output directory (rerun: resumes)")
+    p.add_argument(
+        "--warm-start",
+        default=None,
+        help="directory of the shared warm start (default runs/repro/warm_start_PRESET_SEED; "
+        "every script given the same one trains it once)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -259,3 +266,10 @@ def finish(
     head = f"`{command}` (preset {args.preset}, seeds {seeds_of(args)})"
     pictures = "\n".join(f"![{f.stem}]({f.name})" for f in files)
     print(write_results(pathlib.Path(args.out), title, [head, *sections, pictures], data))
+
+
+def warm_dir(args: argparse.Namespace) -> pathlib.Path:
+    """--warm-start, or runs/repro/warm_start_<preset>_<first seed>."""
+    if args.warm_start:
+        return pathlib.Path(args.warm_start)
+    return pathlib.Path("runs/repro") / f"warm_start_{args.preset}_{seeds_of(args)[0]}"

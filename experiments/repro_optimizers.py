@@ -7,7 +7,7 @@ The ESPO paper (arXiv 2512.00499) claims ESPO keeps more gradient signal than se
 (which clips whole sequences) and is more stable than token-level GRPO. Each loss trains the
 embedded default task (reasoning-gym arithmetic chains, `configs/default.py`) from one shared
 warm start for the preset's steps; everything else (ZVE, router replay, FP8 rollouts, curriculum,
-learning rate) is the default. Written to OUT (default runs/repro_optimizers):
+learning rate) is the default. Written to OUT (default runs/repro/optimizers):
 - results.md / results.json: per loss, held-out greedy pass@1 at the start and the end (mean ±
   std over seeds), token entropy, gradient utilisation (`loss/grad_token_frac`: the share of
   loss tokens whose policy-gradient term moves their log-prob), the same split by entropy group
@@ -87,12 +87,15 @@ def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> dict:
-    parser = repro_lib.parser(__doc__, out="runs/repro_optimizers", seeds="0,1")
+    parser = repro_lib.parser(__doc__, out="runs/repro/optimizers", seeds="0,1")
     parser.add_argument("--losses", default=",".join(LOSSES))
     args = parser.parse_args(argv)
     arm_list = arms(args.losses.split(","))
     out, seeds = pathlib.Path(args.out), repro_lib.seeds_of(args)
-    runs = repro_lib.run_arms(out, args.preset, arm_list, seeds, progress=not args.no_progress)
+    runs = repro_lib.run_arms(
+        out, args.preset, arm_list, seeds, progress=not args.no_progress,
+        warm=repro_lib.warm_dir(args),
+    )  # fmt: skip
     sections, data = summarize(runs, arm_list)
     repro_lib.finish(
         args, argv, script="repro_optimizers.py", title="GRPO vs GSPO vs ESPO vs CISPO",

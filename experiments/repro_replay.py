@@ -13,7 +13,7 @@ pi_old is recomputed by the trainer (float32) with the rollout's experts replaye
 k3 KL(sampler || trainer), the extreme-token fraction (|dlogp| > ln 2), and the agreement of a
 free-routing trainer forward with the rollout's experts. The TIS arms add
 `loss.rollout_is=token` (verl's truncated IS, cap 2) to correct what mismatch remains.
-Written to OUT (default runs/repro_replay): results.md / results.json (per arm: mean mismatch
+Written to OUT (default runs/repro/replay): results.md / results.json (per arm: mean mismatch
 over the RL steps, its ratio to the replayed arm of the same precision, router agreement,
 held-out pass@1, the largest gradient norm and the clip fraction as stability signals) and
 mismatch.png / heldout.png / stability.png (mean over seeds, min-max band).
@@ -105,7 +105,7 @@ def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> dict:
-    parser = repro_lib.parser(__doc__, out="runs/repro_replay", seeds="0")
+    parser = repro_lib.parser(__doc__, out="runs/repro/replay", seeds="0")
     parser.add_argument("--arms", default=",".join(all_arms()))
     args = parser.parse_args(argv)
     known = all_arms()
@@ -114,7 +114,10 @@ def main(argv=None) -> dict:
         parser.error(f"--arms: unknown {unknown}; valid: {','.join(known)}")
     arm_list = [known[a] for a in args.arms.split(",")]
     out, seeds = pathlib.Path(args.out), repro_lib.seeds_of(args)
-    runs = repro_lib.run_arms(out, args.preset, arm_list, seeds, progress=not args.no_progress)
+    runs = repro_lib.run_arms(
+        out, args.preset, arm_list, seeds, progress=not args.no_progress,
+        warm=repro_lib.warm_dir(args),
+    )  # fmt: skip
     sections, data = summarize(runs, arm_list)
     repro_lib.finish(
         args, argv, script="repro_replay.py", title="Router replay and train-inference mismatch",

@@ -24,7 +24,8 @@ def out(tmp_path_factory):
 
 def test_optimizers_quick(out, monkeypatch):
     repro = _load("repro_optimizers")
-    argv = ["--quick", "--seeds", "0,1", "--losses", "gspo", "--out", str(out)]
+    argv = ["--quick", "--seeds", "0,1", "--losses", "gspo", "--out", str(out / "opt")]
+    argv += ["--warm-start", str(out / "warm")]
     data = repro.main([*argv, "--no-progress"])
     assert set(data) == {"gspo"}
     # One warm start: every seed (and arm) starts from the same params and evaluates them with
@@ -35,25 +36,28 @@ def test_optimizers_quick(out, monkeypatch):
         assert all(0 < g <= 1 for g in arm["grad tokens"]), arm
         assert all(np.isfinite(arm["entropy"])), arm  # every loss reports its entropy
         assert all(0 <= c <= 1 for c in arm["clipped hi-H"] + arm["clipped lo-H"]), arm
-    text = (out / "results.md").read_text()
+    text = (out / "opt" / "results.md").read_text()
     assert "| GSPO |" in text and "--losses gspo" in text
     for png in ("heldout", "entropy", "grad_use", "clipped"):
-        assert (out / f"{png}.png").stat().st_size > 1000, png
-    assert len(list((out / "gspo" / "seed1").glob("checkpoints/*"))) >= 1
+        assert (out / "opt" / f"{png}.png").stat().st_size > 1000, png
+    assert len(list((out / "opt" / "gspo" / "seed1").glob("checkpoints/*"))) >= 1
     # A rerun finds every run finished: nothing trains, the numbers are the same.
     monkeypatch.setattr(repro.repro_lib.trainer, "train", lambda *a, **k: pytest.fail("trained"))
-    assert repro.main([*argv, "--no-progress"]) == json.loads((out / "results.json").read_text())
+    assert repro.main([*argv, "--no-progress"]) == json.loads(
+        (out / "opt" / "results.json").read_text()
+    )
 
 
 def test_replay_quick(out):
     repro = _load("repro_replay")
-    data = repro.main(["--quick", "--arms", "bf16,bf16-free", "--out", str(out), "--no-progress"])
+    argv = ["--quick", "--arms", "bf16,bf16-free", "--out", str(out / "replay")]
+    data = repro.main([*argv, "--warm-start", str(out / "warm"), "--no-progress"])
     replay, free = data["bf16"], data["bf16-free"]
     # bf16 rollouts route some tokens to other experts than the float32 trainer: replaying the
     # rollout's experts removes that part of the mismatch.
     assert free["router agreement"][0] < 1.0
     assert 0 <= replay["k3 KL"][0] < free["k3 KL"][0]
     assert replay["pass@1 start"] == free["pass@1 start"]
-    assert "| bf16 no replay |" in (out / "results.md").read_text()
+    assert "| bf16 no replay |" in (out / "replay" / "results.md").read_text()
     with pytest.raises(SystemExit):
-        repro.main(["--quick", "--arms", "bf16,f16", "--out", str(out)])
+        repro.main(["--quick", "--arms", "bf16,f16", "--out", str(out / "bad")])
