@@ -318,6 +318,8 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     )
     timer, compiles = metrics.PhaseTimer(), metrics.CompileCounter()
     final_eval = host.start_eval
+    if 0 < start_step == s.train.steps:  # a finished run rerun: its final eval (same key) again
+        final_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
     try:
         for step in range(start_step, s.train.steps):
             timer.reset()

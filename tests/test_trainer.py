@@ -101,6 +101,21 @@ def test_tiny_run_writes_what_a_user_sees(straight):
     assert list((workdir / "tensorboard").rglob("events.out.tfevents*"))
 
 
+def test_rerunning_a_finished_run_reports_its_final_eval(straight, tmp_path, monkeypatch):
+    """The same command after the run finished trains nothing and summarises the same run: the
+    final eval is evaluated again on the restored final params with the same key (it once
+    reported the start eval as the final one; the tiny run's two evals happen to be equal, so
+    the test watches the evaluation itself)."""
+    workdir, summary = straight
+    shutil.copytree(workdir, tmp_path / "again")
+    evaluated, evaluate = [], trainer._evaluate
+    spy = lambda *a, **k: evaluated.append(evaluate(*a, **k)) or evaluated[-1]
+    monkeypatch.setattr(trainer, "_evaluate", spy)
+    again = trainer.train(_config(train__steps=3), str(tmp_path / "again"), progress=False)
+    assert evaluated == [again["final"]] and again["final"] == summary["final"]
+    assert _comparable(tmp_path / "again") == _comparable(workdir)  # no step written again
+
+
 def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypatch):
     """model.init_from: the arms of an experiment share one warm start. The new run reads only
     the params of the source's newest checkpoint (no SFT), so its step-0 eval (same seed, same
