@@ -1,21 +1,37 @@
 """espo: each-prompt-matters RL post-training of Mixture-of-Experts models in JAX/Flax.
 
-Submodules load lazily (`espo.model`, `espo.losses`...), so a reward worker process that only
-needs `espo.rewards.math` does not pay for importing JAX.
+The package owns nothing itself: its public API is its submodules (`__all__`), loaded lazily
+(`espo.model`, `espo.losses`...), so a reward worker process that only needs
+`espo.rewards.math` does not pay for importing JAX. Entry point: `espo.trainer.train`.
+docs/architecture.md lists what each submodule owns and how they depend on each other.
 """
 
 import importlib
 
 _SUBMODULES = (
     "advantages",
+    "batching",
+    "checkpoint",
+    "config",
+    "correction",
+    "curriculum",
+    "data",
+    "evaluate",
     "losses",
+    "metrics",
     "model",
+    "packing",
+    "plots",
     "quant",
     "rewards",
     "rollout",
     "sampler",
     "scheduling",
+    "sft",
+    "sharding",
     "testing",
+    "train_step",
+    "trainer",
     "types",
     "zero_variance",
 )

@@ -13,7 +13,7 @@ The rules (issue 7; `compute` implements them, `zero_variance` uses the same one
      is replaced by 0 with `jnp.where` before any arithmetic. A group with fewer than 2 valid
      rows has no baseline, so no signal: every advantage in it is 0 (counted in the metrics).
   2. Zero-variance is judged on the VERIFIER rewards (before shaping) of the valid rows:
-     max - min <= atol (DAPO filters on accuracy, papers.md §5). Shaping never makes a group
+     max - min <= atol (DAPO filters on accuracy, docs/formulas.md §5). Shaping never makes a group
      "informative".
   3. Advantage = normalised verifier reward + centred shaping (shaping NEVER divided by std):
        A_i = (r_i - mean_g r) / (std_g r + eps)   [GRPO; std unbiased, ddof 1, as torch.std]
@@ -24,9 +24,10 @@ The rules (issue 7; `compute` implements them, `zero_variance` uses the same one
      all-wrong group of 8, one response 2 tokens into DAPO's soft overlong band (L_cache 256):
      r = [0 x8], s = [0 x7, -2/256]; mean s = -0.0009766, so A = [+0.0009766 x7, -0.0068359].
      Normalising the shaped rewards instead (the old rule) gave +0.354 and -2.475.
-  4. RL-ZVP (arXiv 2509.21880, papers.md §1.2), with cfg.rl_zvp: a zero-variance group in which
-     every valid row is `verifiable` takes the entropy-shaped token advantage (`rl_zvp_tokens`),
-     on top of its centred shaping; "correct" means mean_g r > success_threshold:
+  4. RL-ZVP (arXiv 2509.21880, docs/formulas.md §1.2), with cfg.rl_zvp: a zero-variance group
+     in which every valid row is `verifiable` takes the entropy-shaped token advantage
+     (`rl_zvp_tokens`), on top of its centred shaping; "correct" means mean_g r >
+     success_threshold:
        correct: A_{i,t} = alpha H_{i,t};  wrong: A_{i,t} = -alpha (max_{k valid} H_{i,k} - H_{i,t})
      Only a verifier knows absolute correctness: a zero-variance group with an unverifiable row
      (a judge's tie, whose r = 0 means "no preference", not "wrong") gets no RL-ZVP; it is left
@@ -186,7 +187,7 @@ def rl_zvp_tokens(
     mask: Bool[Array, "N T"],
     alpha: float,
 ) -> Float[Array, "N T"]:
-    """RL-ZVP's token advantage (arXiv 2509.21880, papers.md §1.2) on rows with zvp_sign != 0.
+    """RL-ZVP's token advantage (arXiv 2509.21880; docs/formulas.md §1.2) where zvp_sign != 0.
 
       zvp_sign = +1 (all correct):  A_{i,t} =  alpha H_{i,t}
       zvp_sign = -1 (all wrong):    A_{i,t} = -alpha (max_{k: mask} H_{i,k} - H_{i,t})

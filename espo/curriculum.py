@@ -16,7 +16,7 @@ Invariants:
 - The EMA starts at the first accuracy of the stage (no zero-initialisation bias), then
   ema <- decay * ema + (1 - decay) * accuracy.
 
-The paper gives no stage count, difficulty bins or schedule (see reference/papers.md section 3);
+The paper gives no stage count, difficulty bins or schedule (see docs/formulas.md §3);
 the defaults here and in the configs are our own choice.
 """
 

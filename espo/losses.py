@@ -404,7 +404,7 @@ def espo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
     Eq. 8 is printed with a single e_t, read as the group mean; the <= 10 clamp is borrowed
     from verl GSPO; the grouping proportions for num_groups > 2 and ties are ours (see
     `entropy_groups`); with num_groups=1 this is GSPO with symmetric eps = alpha mean(e)/log|V|.
-    Validity (Eq. 11's 1[i in G], G = members whose reward is valid, papers.md 2.6): the
+    Validity (Eq. 11's 1[i in G], G = members with a valid reward, docs/formulas.md §2.6): the
     advantages normalise over valid members only, and the trainer passes `mask & valid[:, None]`,
     so an invalid member has no token here: no group, no threshold in batch scope, and it leaves
     the mean over sequences (the denominator counts sequences with a valid token). Read

@@ -19,7 +19,7 @@ Conventions (those of `espo.sampler`, so a rollout's arrays line up without shif
   * Entropies are always detached (stop_gradient): no objective here differentiates them.
 
 Which entropy each consumer uses (issue 7 #10) is `EntropyConfig`:
-  * ESPO grouping and adaptive clip (papers.md §2.2, Eq. 6: entropy of pi_old): "old" (default)
+  * ESPO grouping, adaptive clip (docs/formulas.md §2.2, Eq. 6: entropy of pi_old): "old" (default)
     = recomputed in the old-log-prob forward (the trainer's parameters, bf16/f32, untempered
     unless the rollout was tempered), or "sampler" = the rollout's entropies (the FP8 rollout
     copy, temperature-scaled; cheaper, but another distribution).

@@ -398,7 +398,8 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
             out["perf/step_s"] = time.perf_counter() - t0
             out["perf/compiles"] = float(compiles.take())  # 0 after the first step
             out["perf/tokens_per_s"] = out.get("train/generated_tokens", 0.0) / out["perf/step_s"]
-            log.write(done, out)
+            if done % s.train.log_every == 0 or done == s.train.steps or "eval/pass@1" in out:
+                log.write(done, out)  # every log_every steps, every eval step and the last
     finally:
         pool.close()
         log.close()

@@ -1,7 +1,7 @@
 """Multi-stage zero-variance elimination (ZVE): the host-side stages, measurable and switchable.
 
 A prompt whose G rollouts all get the same reward is a zero-variance prompt (ZVP): GRPO gives it
-zero advantage, so its rollouts are wasted (papers.md §1.1). Owned here, stage by stage:
+zero advantage, so its rollouts are wasted (docs/formulas.md §1.1). Owned here, stage by stage:
   1. Offline: `estimate_pass_rates` (N samples per prompt via `sample_fn`), `PassRateTable` (saved
      at `table_path(dataset)`, keyed by `prompt_id`, tagged with the policy, written atomically,
      never silently replacing another policy's table), `prefilter`, `difficulty`.
@@ -10,9 +10,9 @@ zero advantage, so its rollouts are wasted (papers.md §1.1). Owned here, stage 
      Fig. 3 curve), `PassRateHistory` (online per-prompt Beta counts with decay).
   3. Reward: shaping lives in `espo.rewards.shaping`; here it is only measured, by comparing
      `Groups.raw_rewards` (before shaping) with `Groups.rewards`.
-  4. Optimisation: `ZveConfig`, `fill_batch`: "resample" refills the batch DAPO-style (§5) with
-     informative groups, leftovers kept in a buffer; "rl_zvp" keeps ZVP groups for
-     `espo.advantages.rl_zvp`; "drop" discards them.
+  4. Optimisation: `ZveConfig`, `fill_batch`: "resample" refills the batch DAPO-style
+     (docs/formulas.md §5) with informative groups, leftovers kept in a buffer; "rl_zvp" keeps
+     ZVP groups for `espo.advantages.rl_zvp`; "drop" discards them.
 
 Data: `Groups`, a table of row-aligned host arrays with `group_ids` (the convention of
 `espo.types.Rollout` and `espo.batching.TrainBatch`): per-row rewards, validity and any named

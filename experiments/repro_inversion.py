@@ -1,4 +1,4 @@
-"""Advantage inversion of a Bradley–Terry reward model, and the adjustment that removes it (§1.5).
+"""Advantage inversion of a Bradley–Terry reward model and its fix (docs/formulas.md §1.5).
 
 Run:  python experiments/repro_inversion.py [--steps 200] [--seed 0] [--prompts 256]
 

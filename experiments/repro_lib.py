@@ -273,3 +273,11 @@ def warm_dir(args: argparse.Namespace) -> pathlib.Path:
     if args.warm_start:
         return pathlib.Path(args.warm_start)
     return pathlib.Path("runs/repro") / f"warm_start_{args.preset}_{seeds_of(args)[0]}"
+
+
+def select_arms(parser: argparse.ArgumentParser, names: str, known: Mapping[str, Arm]) -> list[Arm]:
+    """The arms named in a comma-separated --arms value; an unknown name is a usage error."""
+    unknown = [a for a in names.split(",") if a not in known]
+    if unknown:
+        parser.error(f"--arms: unknown {unknown}; valid: {','.join(known)}")
+    return [known[a] for a in names.split(",")]

@@ -108,11 +108,7 @@ def main(argv=None) -> dict:
     parser = repro_lib.parser(__doc__, out="runs/repro/replay", seeds="0")
     parser.add_argument("--arms", default=",".join(all_arms()))
     args = parser.parse_args(argv)
-    known = all_arms()
-    unknown = [a for a in args.arms.split(",") if a not in known]
-    if unknown:
-        parser.error(f"--arms: unknown {unknown}; valid: {','.join(known)}")
-    arm_list = [known[a] for a in args.arms.split(",")]
+    arm_list = repro_lib.select_arms(parser, args.arms, all_arms())
     out, seeds = pathlib.Path(args.out), repro_lib.seeds_of(args)
     runs = repro_lib.run_arms(
         out, args.preset, arm_list, seeds, progress=not args.no_progress,

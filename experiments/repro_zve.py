@@ -1,4 +1,4 @@
-"""Multi-stage zero-variance elimination (ZVE), measured on a simulated policy (papers.md §1.1, §5).
+"""Multi-stage zero-variance elimination (ZVE) on a simulated policy (docs/formulas.md §1.1, §5).
 
 Run:  python experiments/repro_zve.py [--seed 0] [--prompts 4096] [--batch 256] [--steps 8]
                                      [--zvp-target 0.5]

@@ -152,7 +152,7 @@ class HandTest(parameterized.TestCase):
     # ---- ESPO ---------------------------------------------------------------------------------
     @chex.variants(with_jit=True, without_jit=True)
     def test_espo_aggregation_over_groups_and_sequences(self):
-        # ESPO Eq. 5 (papers.md 2.7): loss = mean_i mean_{non-empty g} mean_{t in g} l_t over
+        # Eq. 5 (docs/formulas.md §2.7): loss = mean_i mean_{non-empty g} mean_{t in g} l_t over
         # sequences with a valid token. r = 1 everywhere, so l_t = -A_t (token advantages),
         # top_frac = 0.4: group 0 = the ceil(0.4 n) highest entropies.
         #   row 0: e = [2, .1, .5, .2, .3], L = [1, 2, 3, 4, 5]: ceil(2) = 2 -> g0 = {t0, t2}
@@ -195,7 +195,7 @@ class HandTest(parameterized.TestCase):
         # Entropies [0.5, 2, 2, 1, 0.2], top_frac 0.2: ceil(0.2 * 5) = 1 token quota, threshold
         # = the largest entropy 2.0; both 2.0 tokens reach it and join group 0 (a tie joins the
         # higher group, `entropy_groups`), so g0 = {t1, t2}, g1 = {t0, t3, t4}.
-        # Eq. 8 (mean-entropy reading, papers.md 2.4): eps_g = alpha * mean_g(e) / log|V|, with
+        # Eq. 8 (mean-entropy reading, docs/formulas.md §2.4): eps_g = alpha mean_g(e)/log|V|, with
         # alpha = 0.05, |V| = 20 (log 20 = 2.995732):
         #   eps_0 = 0.05 * 2 / 2.995732 = 0.033381; eps_1 = 0.05 * (1.7 / 3) / 2.995732 = 0.009458.
         # (Tie to the lower group: g1 = {2, .5, 1, .2}, eps_1 = 0.015439, and s_1 below would not

@@ -120,7 +120,8 @@ def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypat
     """model.init_from: the arms of an experiment share one warm start. The new run reads only
     the params of the source's newest checkpoint (no SFT), so its step-0 eval (same seed, same
     eval key) is the source's final eval; the source directory is left as it was. The arm also
-    samples in rollout.dtype=bfloat16 (the engine's model), while eval and training stay float32."""
+    samples in rollout.dtype=bfloat16 (the engine's model), while eval and training stay float32,
+    and writes metrics every train.log_every=2 steps."""
     source, _ = straight
     before = sorted(p.name for p in (source / "checkpoints").iterdir())
     monkeypatch.setattr(trainer, "_warm_start", lambda *a, **k: pytest.fail("warm start ran"))
@@ -128,11 +129,13 @@ def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypat
     spy = lambda handle, *a, **k: dtypes.append(handle.cfg.dtype) or generate(handle, *a, **k)
     monkeypatch.setattr(trainer.rollout, "generate_and_score", spy)
     workdir = tmp_path / "arm"
-    cfg = _config(model__init_from=str(source), train__steps=1, rollout__dtype="bfloat16")
-    cfg.rollout.fp8 = False
+    cfg = _config(model__init_from=str(source), train__steps=3, rollout__dtype="bfloat16")
+    cfg.rollout.fp8, cfg.train.log_every = False, 2
     trainer.train(cfg, str(workdir), progress=False)
     assert dtypes and set(dtypes) == {"bfloat16"}
-    assert metrics.read_jsonl(workdir / "metrics.jsonl")[1]["mismatch/k3_kl"] > 0
+    rows = metrics.read_jsonl(workdir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 2, 3]  # train.log_every=2, and the last step
+    assert rows[1]["mismatch/k3_kl"] > 0
     start = metrics.read_jsonl(workdir / "metrics.jsonl")[0]
     final = metrics.read_jsonl(source / "metrics.jsonl")[-1]
     evals = {k: v for k, v in final.items() if k.startswith("eval/")}

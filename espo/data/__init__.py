@@ -10,12 +10,13 @@ Modules:
     Examples (grain), with an accept filter.
   * `tokenizer`: `CharTokenizer` (the procedural default), `HfTokenizer` (tokenizer.json plus
     the chat template rendered as transformers does), `load_tokenizer`, `check_vocab`.
+  * `worked`: worked (step-by-step) solutions of + / - chains for the supervised warm start.
 The verifier for reasoning_gym examples is `espo.rewards.gym.ReasoningGymReward`.
 """
 
 import importlib
 
-_SUBMODULES = ("examples", "sources", "stream", "tokenizer")
+_SUBMODULES = ("examples", "sources", "stream", "tokenizer", "worked")
 __all__ = list(_SUBMODULES)
 
 

@@ -1,7 +1,15 @@
 """The pure-functional MoE transformer: config, init, forward, KV cache, HF interop.
 
 `Model(cfg)` is the one handle (init / forward / init_cache) the sampler, trainer and tests use;
-the module-level functions below take the config as their first argument.
+the module-level functions below take the config as their first argument. `__all__` lists the
+public API and the modules that own it:
+  * `config`: `ModelConfig` (frozen, validated) and `RoutingMode`;
+  * `layers`: norms, rotary embeddings, GQA attention and the `KVCache` value;
+  * `moe`: the router, routing modes (free / replay), dropless and expert-parallel dispatch;
+  * `transformer`: `init`, the pure `forward`, `ModelOutput` / `ModelAux`, replay checks;
+  * `handle`: `Model`, the hashable handle;
+  * `hf`: Hugging Face Qwen3-MoE / Mixtral checkpoints (`load_hf_checkpoint`,
+    `save_hf_checkpoint`).
 """
 
 from espo.model.config import ModelConfig, RoutingMode
@@ -35,3 +43,7 @@ __all__ = [
 from espo.model.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 
 __all__ += ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint"]
+
+from espo.model import moe  # noqa: E402  (already imported by transformer)
+
+__all__ += ["config", "handle", "hf", "layers", "moe", "transformer"]

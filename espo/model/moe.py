@@ -16,8 +16,10 @@ sorted by expert and handed to `expert_ffn`, a grouped matmul over contiguous ex
   * "blocked": each expert's group is padded to a multiple of a block size and every block is
     multiplied by its expert's weights, gathered per block: at small groups (decode, many
     experts) the gathers copy more than all expert weights per matmul. Kept for comparison.
-`expert_ffn` sees only sorted rows, group sizes and the local expert weights, so an expert-
-parallel `shard_map` wraps it after an all-to-all without touching the routing code.
+`expert_ffn` sees only sorted rows, group sizes and the local expert weights, so
+`expert_parallel_dispatch` wraps `dispatch` in a `shard_map` over the mesh's "expert" axis
+(each device its E / n experts, a `psum` adding the partial outputs; no all-to-all) without
+touching the routing code.
 `moe_reference` is the plain per-expert loop that the tests hold both against.
 """
 

@@ -6,6 +6,7 @@ per-sample timeout is the pool's business). Modules:
   * `extract`: where the final answer is (last `\\boxed{}`, else a final-answer line).
   * `math`: symbolic equivalence to the gold via math-verify (`math_reward`, `MathReward`).
   * `procedural`: exact / numeric match and the format reward.
+  * `gym`: reasoning_gym's own per-task scorer (`ReasoningGymReward`).
   * `shaping`: DAPO overlong and repetition penalties added to the verifiable reward.
   * `pool`: the process pool that scores samples with per-sample timeouts.
   * `reward_model`: advantage-inversion metrics, `adjust_rewards` (correctness tiers, tie
@@ -20,6 +21,7 @@ import importlib
 _SUBMODULES = (
     "extract",
     "generative_judge",
+    "gym",
     "judge",
     "math",
     "pool",

@@ -1,4 +1,4 @@
-"""A generative pairwise judge backed by an espo model (papers.md §1.5's GenRM, Better/Tie/Worse).
+"""A generative pairwise judge backed by an espo model (the GenRM of docs/formulas.md §1.5).
 
 This module owns the prompt a judge model sees, the parsing of its completion into a verdict, and
 text generation through `espo.sampler`:

@@ -1,7 +1,7 @@
-"""Pairwise generative-judge rewards: round-robin Better / Tie / Worse within a group (§1.5).
+"""Pairwise generative-judge rewards: round-robin Better / Tie / Worse within a group.
 
 This module owns the map from a judge's three-way verdicts to rewards, the [INFERRED] reading of
-papers.md §1.5 (the paper's exact formula is unknown): within a group of G responses every
+docs/formulas.md §1.5 (the paper's exact formula is unknown): within a group of G responses every
 unordered pair {i, j} is judged once, judge(o_i, o_j) in {"better", "tie", "worse"} scores
 +1 / 0 / -1 for i and the opposite for j, and r_i is the mean of i's G - 1 scores, in [-1, 1].
 A judge may also answer UNPARSEABLE (a generative judge whose completion held no verdict): it

@@ -1,4 +1,4 @@
-"""Scalar reward models and the adjustment that stops advantage inversion (papers.md §1.5).
+"""Scalar reward models and the adjustment that stops advantage inversion (docs/formulas.md §1.5).
 
 This module owns:
   * the measurement of advantage inversion: `inversion_rate` (per rollout: the advantage's sign

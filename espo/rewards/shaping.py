@@ -1,6 +1,7 @@
-"""Reward shaping: penalties added to the verifiable reward (ZVE's reward stage, papers.md §1.1).
+"""Reward shaping: penalties added to the verifiable reward (ZVE's reward stage).
 
-This module owns the auxiliary penalties of papers.md §1.7 and their combination:
+This module owns the auxiliary penalties of docs/formulas.md §1.7 (ZVE's reward stage is §1.1)
+and their combination:
   * DAPO soft overlong punishment (DAPO Eq. 13, [VERIFIED] there; CompassMax's own length penalty
     is [UNKNOWN], this is the stand-in):
         R_len(L) = 0                          if L <= L_max - L_cache

@@ -61,3 +61,17 @@ def test_replay_quick(out):
     assert "| bf16 no replay |" in (out / "replay" / "results.md").read_text()
     with pytest.raises(SystemExit):
         repro.main(["--quick", "--arms", "bf16,f16", "--out", str(out / "bad")])
+
+
+def test_zve_training_quick(out):
+    repro = _load("repro_zve_training")
+    argv = ["--quick", "--arms", "plain,rl_zvp", "--out", str(out / "zve")]
+    data = repro.main([*argv, "--warm-start", str(out / "warm"), "--no-progress"])
+    plain, rl_zvp = data["plain"], data["rl_zvp"]
+    # Same rollouts (same seed, same warm start); RL-ZVP gives the zero-variance groups'
+    # tokens a gradient that plain GRPO's zero advantages do not.
+    assert plain["rollouts"] == rl_zvp["rollouts"] and plain["rollouts"][0] > 0
+    assert plain["ZVP share of optimiser batch"] == rl_zvp["ZVP share of optimiser batch"]
+    assert plain["ZVP share of optimiser batch"][0] > 0
+    assert rl_zvp["tokens with gradient"][0] > plain["tokens with gradient"][0]
+    assert (out / "zve" / "heldout.png").exists()
