@@ -281,3 +281,25 @@ def select_arms(parser: argparse.ArgumentParser, names: str, known: Mapping[str,
     if unknown:
         parser.error(f"--arms: unknown {unknown}; valid: {','.join(known)}")
     return [known[a] for a in names.split(",")]
+
+
+def experiment(
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    arms: Sequence[Arm],
+    *,
+    script: str,
+    title: str,
+    summarize: Callable,
+    plots: Callable,
+) -> dict:
+    """Runs `arms` x seeds from the shared warm start, then writes the results:
+    `summarize(runs, arms)` -> (Markdown sections, JSON data), `plots(out, runs, arms)` -> PNGs."""
+    out = pathlib.Path(args.out)
+    runs = run_arms(
+        out, args.preset, arms, seeds_of(args), progress=not args.no_progress, warm=warm_dir(args)
+    )
+    sections, data = summarize(runs, arms)
+    files = plots(out, runs, arms)
+    finish(args, argv, script=script, title=title, sections=sections, files=files, data=data)
+    return data

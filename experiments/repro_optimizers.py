@@ -91,17 +91,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--losses", default=",".join(LOSSES))
     args = parser.parse_args(argv)
     arm_list = arms(args.losses.split(","))
-    out, seeds = pathlib.Path(args.out), repro_lib.seeds_of(args)
-    runs = repro_lib.run_arms(
-        out, args.preset, arm_list, seeds, progress=not args.no_progress,
-        warm=repro_lib.warm_dir(args),
-    )  # fmt: skip
-    sections, data = summarize(runs, arm_list)
-    repro_lib.finish(
-        args, argv, script="repro_optimizers.py", title="GRPO vs GSPO vs ESPO vs CISPO",
-        sections=sections, files=plots(out, runs, arm_list), data=data,
-    )  # fmt: skip
-    return data
+    return repro_lib.experiment(
+        args,
+        argv,
+        arm_list,
+        script="repro_optimizers.py",
+        title="GRPO vs GSPO vs ESPO vs CISPO",
+        summarize=summarize,
+        plots=plots,
+    )
 
 
 if __name__ == "__main__":

@@ -106,17 +106,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--arms", default=",".join(ARMS))
     args = parser.parse_args(argv)
     arm_list = repro_lib.select_arms(parser, args.arms, ARMS)
-    out, seeds = pathlib.Path(args.out), repro_lib.seeds_of(args)
-    runs = repro_lib.run_arms(
-        out, args.preset, arm_list, seeds, progress=not args.no_progress,
-        warm=repro_lib.warm_dir(args),
-    )  # fmt: skip
-    sections, data = summarize(runs, arm_list)
-    repro_lib.finish(
-        args, argv, script="repro_zve_training.py", title="Zero-variance elimination in training",
-        sections=sections, files=plots(out, runs, arm_list), data=data,
-    )  # fmt: skip
-    return data
+    return repro_lib.experiment(
+        args,
+        argv,
+        arm_list,
+        script="repro_zve_training.py",
+        title="Zero-variance elimination in training",
+        summarize=summarize,
+        plots=plots,
+    )
 
 
 if __name__ == "__main__":
