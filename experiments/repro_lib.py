@@ -57,12 +57,16 @@ _PRESET_OVERRIDES = {
 }
 
 
+def config_module():
+    """configs/default.py as a module (its `get_config`, its `stage` helper)."""
+    return testing.load_script(ROOT / "configs" / "default.py", name="espo_default_config")
+
+
 def config(preset: str, overrides: Mapping[str, object] = ()) -> ml_collections.ConfigDict:
     """configs/default.py at `preset`, then `overrides` ({"loss.name": "grpo", ...})."""
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is invalid; valid: {', '.join(PRESETS)}")
-    module = testing.load_script(ROOT / "configs" / "default.py", name="espo_default_config")
-    cfg = module.get_config("tiny" if preset == "quick" else "")
+    cfg = config_module().get_config("tiny" if preset == "quick" else "")
     for key, value in {**_PRESET_OVERRIDES[preset], **dict(overrides)}.items():
         section, _, field = key.rpartition(".")
         node = cfg

@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from espo import testing
+from espo import metrics, testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -75,3 +75,20 @@ def test_zve_training_quick(out):
     assert plain["ZVP share of optimiser batch"][0] > 0
     assert rl_zvp["tokens with gradient"][0] > plain["tokens with gradient"][0]
     assert (out / "zve" / "heldout.png").exists()
+
+
+def test_curriculum_quick(out):
+    repro = _load("repro_curriculum")
+    argv = ["--quick", "--out", str(out / "curr"), "--warm-start", str(out / "warm")]
+    data = repro.main([*argv, "--no-progress"])
+    assert data["curriculum"]["rollouts"] == data["single"]["rollouts"]  # the same budget
+    stages = {
+        arm: [
+            r.get("curriculum/stage")
+            for r in metrics.read_jsonl(out / "curr" / arm / "seed0" / "metrics.jsonl")[1:]
+        ]
+        for arm in ("curriculum", "single")
+    }
+    assert stages == {"curriculum": [0, 1], "single": [0, 0]}, stages
+    text = (out / "curr" / "results.md").read_text()
+    assert "eval/pass@1/2-basic_arithmetic" in text  # the hardest level of the three
