@@ -7,7 +7,9 @@
   shows up red instead of hiding as a skip. Locally skips stay skips.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import hypothesis
@@ -18,7 +20,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # A persistent compilation cache for this session: the many trainer runs of the tiny configs
 # (and other tests that build the same programs with new jit objects) compile once. Fresh per
 # session, so a run's timings never depend on an earlier one.
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="espo_jax_cache_"))
+_CACHE_DIR = tempfile.mkdtemp(prefix="espo_jax_cache_")
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 hypothesis.settings.register_profile(

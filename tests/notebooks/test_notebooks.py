@@ -2,29 +2,32 @@
 
 The kernel is this interpreter (the venv with espo installed), not whatever a machine happens to
 register as "python3": the kernelspec is installed into a temporary prefix and JUPYTER_PATH puts
-it first. Notebooks build their Hugging Face checkpoint with transformers (the test extras).
-The kernel shares the trainer tests' persistent compilation cache, so a rerun skips compiling.
+it first. Notebooks need espo alone: in the kernel torch and transformers (the test extras) fail
+to import, as on a machine without them. The kernel shares this session's persistent
+compilation cache (tests/conftest.py), so a program the session compiled already is not
+compiled again.
 """
 
+import os
 import pathlib
 import sys
 
+import jax
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 kernelspec = pytest.importorskip("ipykernel.kernelspec")
 jupyter_kernelspec = pytest.importorskip("jupyter_client.kernelspec")
-pytest.importorskip("transformers")
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 KERNEL_NAME = "python3"
-# quickstart takes ~40 s on 2 CPU cores, one cell a few seconds. The trainer cell of training
-# compiles the whole pipeline: ~100-140 s on 2 loaded cores with a cold compilation cache, ~40 s
-# warm.
+# quickstart and router_replay take ~30 s on 2 CPU cores, zero_variance a few seconds, one cell a
+# few seconds. The trainer cell of training compiles the whole pipeline: ~100-140 s on 2 loaded
+# cores with a cold compilation cache, ~40 s warm.
 CELL_TIMEOUT_S = 300
-COMPILATION_CACHE_DIR = "/tmp/espo_test_jax_cache"  # as tests/test_trainer.py
+BLOCKED_MODULES = ("torch", "transformers")  # notebooks run without the test extras
 
 
 def test_notebooks_exist():
@@ -33,10 +36,24 @@ def test_notebooks_exist():
 
 @pytest.fixture
 def venv_kernel(tmp_path, monkeypatch):
-    """The "python3" kernel, bound to sys.executable whatever else is installed."""
+    """The "python3" kernel, bound to sys.executable whatever else is installed, without torch
+    and transformers, sharing the session's compilation cache."""
     kernelspec.install(kernel_name=KERNEL_NAME, prefix=str(tmp_path))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE_DIR)  # the kernel reads it
+    blocked = tmp_path / "blocked"  # first on the kernel's path: `import torch` raises
+    for name in BLOCKED_MODULES:
+        (blocked / name).mkdir(parents=True)
+        message = f"{name} is blocked: notebooks must run without the test extras"
+        (blocked / name / "__init__.py").write_text(f"raise ModuleNotFoundError({message!r})\n")
+    path = [str(blocked), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
+    # The kernel reads these at import: the session's cache directory (set by tests/conftest.py
+    # when the session starts, so read now, not at import of this module) and its threshold.
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if cache_dir:
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", cache_dir)
+        min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(min_time))
     spec = jupyter_kernelspec.KernelSpecManager().get_kernel_spec(KERNEL_NAME)
     assert spec.argv[0] == sys.executable, (spec.argv, sys.executable)
     return KERNEL_NAME
