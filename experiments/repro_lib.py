@@ -92,7 +92,15 @@ class Arm:
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: pathlib.Path, *, progress: bool) -> list[dict]:
-    """Trains (or resumes) the run in `workdir` unless it finished; its metrics.jsonl records."""
+    """Trains (or resumes) the run in `workdir` unless it finished; its metrics.jsonl records.
+
+    A workdir holding a run of other settings is an error (a resume would mix the two)."""
+    saved = workdir / "config.json"
+    if saved.exists() and json.loads(saved.read_text()) != json.loads(cfg.to_json_best_effort()):
+        raise ValueError(
+            f"{workdir} holds a run of other settings than this experiment's (its config.json "
+            "differs); use another --out, or delete it"
+        )
     done = workdir / "summary.json"
     if not done.exists() or json.loads(done.read_text())["steps"] != cfg.train.steps:
         trainer.train(cfg, str(workdir), progress=progress)
@@ -165,9 +173,9 @@ def spread(values: Sequence[float], digits: int = 3) -> str:
     v = np.array([x for x in values if _finite(x)], float)
     if not len(v):
         return "n/a"
-    if len(v) == 1:
-        return f"{v[0]:.{digits}f}"
-    return f"{v.mean():.{digits}f} ± {v.std():.{digits}f}"
+    small = 0 < abs(v.mean()) < 10.0 ** (1 - digits)  # would print as 0.000: scientific
+    fmt = (lambda x: f"{x:.2e}") if small else (lambda x: f"{x:.{digits}f}")
+    return fmt(v[0]) if len(v) == 1 else f"{fmt(v.mean())} ± {fmt(v.std())}"
 
 
 def per_seed(runs: Sequence[list[dict]], fn: Callable[[list[dict]], float]) -> list[float]:
@@ -296,13 +304,16 @@ def experiment(
     title: str,
     summarize: Callable,
     plots: Callable,
+    common: Mapping[str, object] = (),
 ) -> dict:
     """Runs `arms` x seeds from the shared warm start, then writes the results:
-    `summarize(runs, arms)` -> (Markdown sections, JSON data), `plots(out, runs, arms)` -> PNGs."""
+    `summarize(runs, arms)` -> (Markdown sections, JSON data), `plots(out, runs, arms)` -> PNGs;
+    `common` overrides apply to every arm (and not to the warm start)."""
     out = pathlib.Path(args.out)
     runs = run_arms(
-        out, args.preset, arms, seeds_of(args), progress=not args.no_progress, warm=warm_dir(args)
-    )
+        out, args.preset, arms, seeds_of(args), progress=not args.no_progress,
+        warm=warm_dir(args), common=common,
+    )  # fmt: skip
     sections, data = summarize(runs, arms)
     files = plots(out, runs, arms)
     finish(args, argv, script=script, title=title, sections=sections, files=files, data=data)

@@ -7,7 +7,8 @@ The ESPO paper (arXiv 2512.00499) claims ESPO keeps more gradient signal than se
 (which clips whole sequences) and is more stable than token-level GRPO. Each loss trains the
 embedded default task (reasoning-gym arithmetic chains, `configs/default.py`) from one shared
 warm start for the preset's steps; everything else (ZVE, router replay, FP8 rollouts, curriculum,
-learning rate) is the default. Written to OUT (default runs/repro/optimizers):
+learning rate) is the default, except four optimiser updates per step (`train.mini_batch_size`,
+see COMMON) so that the clip ranges act. Written to OUT (default runs/repro/optimizers):
 - results.md / results.json: per loss, held-out greedy pass@1 at the start and the end (mean ±
   std over seeds), token entropy, gradient utilisation (`loss/grad_token_frac`: the share of
   loss tokens whose policy-gradient term moves their log-prob), the same split by entropy group
@@ -26,6 +27,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import repro_lib  # noqa: E402
 
 LOSSES = ("grpo", "gspo", "espo", "cispo")
+# Four optimiser updates per step (verl's ppo_mini_batch_size): after the first, the policy has
+# moved off the rollout's, so the ratios leave 1 and the losses' clip ranges act. (With one
+# update per batch every ratio is exactly 1 and no loss clips anything.)
+COMMON = {"cpu": {"train.mini_batch_size": 64}, "large": {"train.mini_batch_size": 256}}
 
 
 def arms(names=LOSSES) -> list[repro_lib.Arm]:
@@ -99,6 +104,7 @@ def main(argv=None) -> dict:
         title="GRPO vs GSPO vs ESPO vs CISPO",
         summarize=summarize,
         plots=plots,
+        common=COMMON.get(args.preset, {}),
     )
 
 

@@ -77,7 +77,7 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         if base is not None:
             num, den = sum(values["k3 KL"]), sum(base["k3 KL"])
             ratio = f"{num / den:.2f}" if den > 0 else "n/a"
-        values_str = [repro_lib.spread(v, 4 if i < 3 else 3) for i, v in enumerate(values.values())]
+        values_str = [repro_lib.spread(v) for v in values.values()]
         rows.append([arm.title, *values_str[:1], ratio, *values_str[1:]])
     header = ["arm", "k3 KL", "k3 / replayed", *list(cols)[1:]]
     notes = (

@@ -42,7 +42,10 @@ def test_optimizers_quick(out, monkeypatch):
         assert (out / "opt" / f"{png}.png").stat().st_size > 1000, png
     assert len(list((out / "opt" / "gspo" / "seed1").glob("checkpoints/*"))) >= 1
     # A rerun finds every run finished: nothing trains, the numbers are the same.
-    monkeypatch.setattr(repro.repro_lib.trainer, "train", lambda *a, **k: pytest.fail("trained"))
+    lib = repro.repro_lib
+    with pytest.raises(ValueError, match=r"holds a run of other settings"):
+        lib.run(lib.config("quick", {"seed": 1, "train.steps": 0}), out / "warm", progress=False)
+    monkeypatch.setattr(lib.trainer, "train", lambda *a, **k: pytest.fail("trained"))
     assert repro.main([*argv, "--no-progress"]) == json.loads(
         (out / "opt" / "results.json").read_text()
     )
