@@ -191,20 +191,23 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
 
 def plot(
     path: pathlib.Path,
-    panels: Sequence[tuple[str, str]],
+    panels: Sequence[tuple[str, ...]],
     curves: Callable[[str], Mapping[str, Sequence[tuple[np.ndarray, np.ndarray]]]],
     *,
     xlabel: str = "RL step",
     title: str = "",
 ) -> pathlib.Path:
-    """One PNG with a panel per (key, y label); `curves(key)` -> {arm label: [(x, y) per seed]}.
+    """One PNG with a panel per (key, y label[, "log"]); `curves(key)` -> {arm label: [(x, y) per
+    seed]}; "log" draws the panel's y axis on a log scale.
 
     Each arm is the mean over its seeds (on the x of its first seed) with the min-max band.
     """
     fig = mpl_figure.Figure(figsize=(5.0 * len(panels), 3.6), dpi=110)
     backend_agg.FigureCanvasAgg(fig)
-    for i, (key, ylabel) in enumerate(panels):
+    for i, (key, ylabel, *scale) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
+        if scale == ["log"]:
+            ax.set_yscale("log")
         for label, seeds in curves(key).items():
             seeds = [(x, y) for x, y in seeds if len(y)]
             if not seeds:

@@ -90,18 +90,21 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
     return [repro_lib.markdown_table(header, rows), notes], data
 
 
+MISMATCH = [
+    ("mismatch/k3_kl", "k3 KL(sampler || trainer)", "log"),
+    ("mismatch/extreme_token_frac", "|dlogp| > ln 2"),
+    ("mismatch/router_agreement", "expert agreement"),
+]
+STABILITY = [("optim/grad_norm", "gradient norm"), ("loss/clip_frac", "clip fraction")]
+
+
 def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
     curves = repro_lib.curves_of(runs, arm_list)
     return [
-        repro_lib.plot(out / "mismatch.png", [("mismatch/k3_kl", "k3 KL(sampler || trainer)"),
-                                              ("mismatch/extreme_token_frac", "|dlogp| > ln 2"),
-                                              ("mismatch/router_agreement", "expert agreement")],
-                       curves, title="Train-inference mismatch"),
+        repro_lib.plot(out / "mismatch.png", MISMATCH, curves, title="Train-inference mismatch"),
         repro_lib.plot(out / "heldout.png", [("eval/pass@1", "greedy pass@1")], curves),
-        repro_lib.plot(out / "stability.png", [("optim/grad_norm", "gradient norm"),
-                                               ("loss/clip_frac", "clip fraction")], curves,
-                       title="Stability"),
-    ]  # fmt: skip
+        repro_lib.plot(out / "stability.png", STABILITY, curves, title="Stability"),
+    ]
 
 
 def main(argv=None) -> dict:
