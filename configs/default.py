@@ -217,6 +217,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.reward.repetition_weight = 0.0  # weight of the repeated n-gram penalty
     c.reward.ngram_size = 4  # n of the repetition penalty
     c.reward.repetition_threshold = 0.0  # repetition ratio below this is free
+    c.reward.function = ""  # "module:name" of your fn(prompt, completion, meta) -> float
 
     # ---- mesh: espo.sharding (data x fsdp x expert = the device count) ---------------------------
     c.mesh = ml_collections.ConfigDict()

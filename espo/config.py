@@ -208,10 +208,21 @@ class RewardConfig:
     repetition_weight: float = 0.0
     ngram_size: int = 4
     repetition_threshold: float = 0.0
+    function: str = ""  # "module:name" of a reward fn(prompt, completion, meta) -> float
 
     def __post_init__(self):
         frac = self.overlong_cache_fraction
-        check(self, {"overlong_cache_fraction": (_is_num(frac) and 0 < frac <= 1, "in (0, 1]")})
+        spec = re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.function or "x:y")
+        check(
+            self,
+            {
+                "overlong_cache_fraction": (_is_num(frac) and 0 < frac <= 1, "in (0, 1]"),
+                "function": (
+                    isinstance(self.function, str) and spec is not None,
+                    "'' (the data source's verifier) or 'module:name'",
+                ),
+            },
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

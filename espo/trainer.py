@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import pathlib
@@ -85,6 +86,16 @@ def _params_of_run(workdir: str, model_cfg) -> dict:
 
 
 def _reward_fn(s: config_lib.Settings):
+    """reward.function ("module:name", e.g. your own verifier), else the data source's."""
+    if s.reward.function:
+        module, _, name = s.reward.function.partition(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise config_lib.ConfigError(
+                f"--config.reward.function={s.reward.function!r} is invalid: {e} (a picklable "
+                "fn(prompt, completion, meta) -> float at module level of an importable module)"
+            ) from None
     if s.data.source == "reasoning_gym":
         from espo.rewards import gym
 

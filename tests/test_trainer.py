@@ -321,3 +321,14 @@ def test_qwen3_moe_tiny_trains_and_its_export_loads_in_transformers(tmp_path):
     base = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
     with torch.no_grad():
         assert not torch.allclose(base(torch.tensor([[1, 2, 3, 4]])).logits, logits)
+
+
+def test_reward_function_names_your_verifier():
+    """reward.function ("module:name", verl's custom_reward_function) replaces the source's."""
+    settings = lambda f: config_lib.Settings.from_config(_config(reward__function=f))
+    assert trainer._reward_fn(settings("espo.testing:length_reward")) is testing.length_reward
+    assert type(trainer._reward_fn(settings(""))).__name__ == "ReasoningGymReward"
+    with pytest.raises(config_lib.ConfigError, match=r"reward\.function='espo\.testing:nope'"):
+        trainer._reward_fn(settings("espo.testing:nope"))
+    with pytest.raises(config_lib.ConfigError, match=r"reward\.function='no_colon' is invalid"):
+        settings("no_colon")
