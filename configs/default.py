@@ -104,6 +104,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.rollout.dtype = ""  # sampler activation dtype (float32 | bfloat16); "" = model.dtype
     c.rollout.max_chunk_size = 128  # rows decoded together
     c.rollout.schedule = "length_aware"  # length_aware | fifo
+    c.rollout.overlap_rewards = True  # score samples while later chunks decode (False: after)
+    c.rollout.detokenize = "workers"  # workers (parallel, in the reward pool) | host (serial)
     c.rollout.reward_workers = 2  # reward process pool size
     c.rollout.reward_timeout_s = 10.0  # per-sample reward timeout
 

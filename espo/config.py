@@ -175,6 +175,8 @@ class RolloutConfig:
     dtype: str = ""  # sampler activation / matmul dtype; "" = the model's
     max_chunk_size: int = 64
     schedule: str = "length_aware"
+    overlap_rewards: bool = True  # score finished samples while later chunks decode
+    detokenize: str = "workers"  # where completions are detokenized: workers | host (serial)
     reward_workers: int = 2
     reward_timeout_s: float = 10.0
 
@@ -191,6 +193,8 @@ class RolloutConfig:
                 "max_chunk_size": (_is_int(self.max_chunk_size) and self.max_chunk_size >= 1,
                                    "an int >= 1"),
                 "schedule": (self.schedule in ("length_aware", "fifo"), "length_aware or fifo"),
+                "overlap_rewards": (isinstance(self.overlap_rewards, bool), "True or False"),
+                "detokenize": (self.detokenize in ("workers", "host"), "workers or host"),
                 "reward_workers": (_is_int(self.reward_workers) and self.reward_workers >= 1,
                                    "an int >= 1"),
                 "reward_timeout_s": (_is_num(self.reward_timeout_s) and self.reward_timeout_s > 0,

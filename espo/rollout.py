@@ -6,7 +6,8 @@ One rollout step, one helper per stage:
   2. `_dispatch`: chunk i+1 is dispatched to the device (JAX dispatch is asynchronous) before
      chunk i is copied to the host, so the device keeps decoding while the host works;
   3. `_hand_off`: each finished sample (a stop id, or `max_new_tokens`) is handed to the
-     `RewardPool` at once as token ids; the pool's workers detokenize and score it while later
+     `RewardPool` at once as token ids (`overlap_rewards=False`, the baseline: only after the
+     last chunk decodes); the pool's workers detokenize and score it while later
      chunks decode, so detokenization is parallel and off the host's decode loop
      (`detokenize=` on the host is the serial alternative, for a pool without a detokenizer);
   4. rows that hit their chunk's budget without a stop id are continued from their prefix in
@@ -65,6 +66,7 @@ class RolloutConfig:
     max_chunk_size: int  # rows decoded together (before batch-bucket padding)
     schedule: str = "length_aware"  # "length_aware" (predicted length) or "fifo" (baseline)
     num_shards: int = 1  # data-parallel shards the plan balances chunks over (1 on one device)
+    overlap_rewards: bool = True  # False: score after the last chunk decodes (the baseline)
 
     def __post_init__(self):
         checks = {
@@ -82,6 +84,7 @@ class RolloutConfig:
             ),
             "schedule": (self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
             "num_shards": (_is_int(self.num_shards) and self.num_shards >= 1, "an int >= 1"),
+            "overlap_rewards": (isinstance(self.overlap_rewards, bool), "True or False"),
         }
         for field, (ok, valid) in checks.items():
             if not ok:
@@ -192,6 +195,7 @@ class _Progress:
     records: list[scheduling.ChunkRecord] = dataclasses.field(default_factory=list)
     task_of_row: dict[int, int] = dataclasses.field(default_factory=dict)  # reward pool task
     host_texts: dict[int, str] = dataclasses.field(default_factory=dict)  # detokenize= on host
+    deferred: list[tuple[int, tuple]] = dataclasses.field(default_factory=list)  # no overlap
     handoff_s: float = 0.0  # host time spent in `_hand_off`
 
 
@@ -335,7 +339,10 @@ def _hand_off(
             progress.host_texts[r] = completion = detokenize(completion)
         p = step.row_prompt[r]
         items.append((step.prompt_texts[p], completion, step.metas[p]))
-    progress.task_of_row.update(zip(done, reward_pool.submit(items), strict=True))
+    if step.config.overlap_rewards:
+        progress.task_of_row.update(zip(done, reward_pool.submit(items), strict=True))
+    else:
+        progress.deferred.extend(zip(done, items, strict=True))
     progress.handoff_s += time.perf_counter() - t
     return unfinished
 
@@ -475,6 +482,9 @@ def generate_and_score(
         detokenize=detokenize,
     )  # fmt: skip
     t_generated = time.perf_counter()
+    if progress.deferred:  # overlap_rewards=False: every sample is scored only now
+        rows, items = zip(*progress.deferred, strict=True)
+        progress.task_of_row.update(zip(rows, reward_pool.submit(list(items)), strict=True))
     N = len(step.requests)
     scores = reward_pool.results([progress.task_of_row[r] for r in range(N)])
     if detokenize is None:

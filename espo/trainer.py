@@ -444,6 +444,7 @@ class _Generator:
             buckets=_buckets(s.max_prompt_length, stage.max_new_tokens),
             max_chunk_size=s.rollout.max_chunk_size,
             schedule=s.rollout.schedule,
+            overlap_rewards=s.rollout.overlap_rewards,
         )
         r = s.reward
         self.shaping = shaping.ShapingConfig(
@@ -468,6 +469,8 @@ class _Generator:
             reward_pool=self.pool,
             predictor=self.host.predictor,
             prompt_ids=[e.id for e in exs],
+            # rollout.detokenize="host": the baseline of the system table, serial on the host
+            detokenize=self.pool.detokenize if self.s.rollout.detokenize == "host" else None,
         )
         r = res.rollout
         verifier = np.asarray(r.rewards, np.float32)

@@ -290,6 +290,35 @@ def test_rewards_overlap_generation(tmp_path):
     assert out.metrics["rollout/num_chunks"] >= 3
 
 
+class _CountingPool(_SignallingPool):
+    """Records the size of every submit call."""
+
+    def __init__(self, inner):
+        super().__init__(inner, _Probe("", 0))
+        self.calls: list[int] = []
+
+    def submit(self, items):
+        self.calls.append(len(items))
+        return super().submit(items)
+
+
+def test_without_overlap_every_sample_is_scored_after_decoding(reward_pool):
+    # overlap_rewards=False (the system table's baseline): one submission of all N samples once
+    # the last chunk is decoded, instead of one per chunk; the same rollout and rewards.
+    fake = testing.CountingModel(vocab=V)
+    overlapped, serial = _CountingPool(reward_pool), _CountingPool(reward_pool)
+    a = _run(overlapped, fake)
+    b = _run(serial, fake, overlap_rewards=False)
+    n = len(a.rollout.rewards)
+    assert (
+        len(overlapped.calls) == a.metrics["rollout/num_chunks"] > 1 and sum(overlapped.calls) == n
+    )
+    assert serial.calls == [n]
+    np.testing.assert_array_equal(a.rollout.rewards, b.rollout.rewards)
+    np.testing.assert_array_equal(a.rollout.tokens, b.rollout.tokens)
+    assert a.completions == b.completions
+
+
 # ---------------------------------------------------------------- the tiny real model
 
 CFG = model.ModelConfig.tiny(vocab_size=V)

@@ -95,3 +95,24 @@ def test_curriculum_quick(out):
     assert stages == {"curriculum": [0, 1], "single": [0, 0]}, stages
     text = (out / "curr" / "results.md").read_text()
     assert "eval/pass@1/2-basic_arithmetic" in text  # the hardest level of the three
+
+
+def test_system_quick(out):
+    repro = _load("repro_system")
+    argv = ["--quick", "--out", str(out / "sys"), "--warm-start", str(out / "warm")]
+    data = repro.main([*argv, "--arms", "baseline,overlap", "--no-progress"])
+    for arm in ("baseline", "overlap"):
+        assert all(v > 0 for v in data[arm]["step s"] + data[arm]["rollout s"]), data[arm]
+    rollout = lambda arm: json.loads((out / "sys" / arm / "seed0" / "config.json").read_text())[
+        "rollout"
+    ]  # the arms switch the parts on cumulatively
+    assert (rollout("baseline")["detokenize"], rollout("baseline")["overlap_rewards"]) == (
+        "host",
+        False,
+    )
+    assert (rollout("overlap")["detokenize"], rollout("overlap")["overlap_rewards"]) == (
+        "workers",
+        True,
+    )
+    assert rollout("overlap")["schedule"] == "fifo" and not rollout("overlap")["fp8"]
+    assert "| + reward overlap | " in (out / "sys" / "results.md").read_text()
