@@ -58,6 +58,7 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
     cols = {
         "hardest start": lambda r: repro_lib.series(r, hardest_key(r))[1][0],
         "hardest end": lambda r: repro_lib.last(r, hardest_key(r)),
+        "hardest change": lambda r: repro_lib.change(r, hardest_key(r)),
         "hardest best": lambda r: max(repro_lib.series(r, hardest_key(r))[1]),
         "pass@1 start": lambda r: repro_lib.series(r, "eval/pass@1")[1][0],
         "pass@1 end": lambda r: repro_lib.last(r, "eval/pass@1"),

@@ -161,6 +161,12 @@ def last(records: Sequence[dict], key: str) -> float:
     return float(ys[-1]) if len(ys) else math.nan
 
 
+def change(records: Sequence[dict], key: str) -> float:
+    """The last finite value of `key` minus the first (e.g. held-out accuracy gained)."""
+    _, ys = series(records, key)
+    return float(ys[-1] - ys[0]) if len(ys) else math.nan
+
+
 def mean_over(records: Sequence[dict], key: str, *, first_step: int = 1) -> float:
     """The mean of `key` over the steps >= first_step that hold it (nan when none do)."""
     xs, ys = series(records, key)

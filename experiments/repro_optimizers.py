@@ -43,6 +43,7 @@ def summarize(runs: dict[str, list[list[dict]]], arm_list) -> tuple[list[str], d
     cols = {
         "pass@1 start": lambda r: repro_lib.series(r, "eval/pass@1")[1][0],
         "pass@1 end": lambda r: repro_lib.last(r, "eval/pass@1"),
+        "pass@1 change": lambda r: repro_lib.change(r, "eval/pass@1"),
         "pass@k end": lambda r: repro_lib.last(r, _pass_k(r)),
         "entropy": lambda r: repro_lib.mean_over(r, "loss/entropy"),
         "grad tokens": lambda r: repro_lib.mean_over(r, "loss/grad_token_frac"),
@@ -60,7 +61,9 @@ def summarize(runs: dict[str, list[list[dict]]], arm_list) -> tuple[list[str], d
     table = repro_lib.markdown_table(["loss", *cols], rows)
     notes = (
         "Mean over the RL steps (entropy, gradient utilisation, clipping) or the last eval "
-        "(pass@1 greedy, pass@k of eval.samples draws); ± is the std over seeds. hi-H / lo-H: "
+        "(pass@1 greedy, pass@k of eval.samples draws); ± is the std over seeds. A seed also "
+        "draws the task instances (reasoning-gym), so the held-out set differs between seeds: "
+        "compare the change within a seed. hi-H / lo-H: "
         "the ESPO entropy groups (top loss.top_frac of each sequence's tokens by entropy / the "
         "rest); 'clipped' = share of the group's tokens with a nonzero advantage and no "
         "gradient."

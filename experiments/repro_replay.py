@@ -64,6 +64,7 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "router agreement": lambda r: repro_lib.mean_over(r, "mismatch/router_agreement"),
         "pass@1 start": lambda r: repro_lib.series(r, "eval/pass@1")[1][0],
         "pass@1 end": lambda r: repro_lib.last(r, "eval/pass@1"),
+        "pass@1 change": lambda r: repro_lib.change(r, "eval/pass@1"),
         "max grad norm": lambda r: max(repro_lib.series(r, "optim/grad_norm")[1], default=0.0),
         "clip frac": lambda r: repro_lib.mean_over(r, "loss/clip_frac"),
     }

@@ -70,6 +70,7 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "rollout ZVP rate": lambda r: repro_lib.mean_over(r, "zve/rollout_zvp_rate"),
         "pass@1 start": lambda r: repro_lib.series(r, "eval/pass@1")[1][0],
         "pass@1 end": lambda r: repro_lib.last(r, "eval/pass@1"),
+        "pass@1 change": lambda r: repro_lib.change(r, "eval/pass@1"),
     }
     data = {a.name: {c: repro_lib.per_seed(runs[a.name], f) for c, f in cols.items()}
             for a in arm_list}  # fmt: skip
