@@ -96,15 +96,27 @@ def run(cfg: ml_collections.ConfigDict, workdir: pathlib.Path, *, progress: bool
 
     A workdir holding a run of other settings is an error (a resume would mix the two)."""
     saved = workdir / "config.json"
-    if saved.exists() and json.loads(saved.read_text()) != json.loads(cfg.to_json_best_effort()):
-        raise ValueError(
-            f"{workdir} holds a run of other settings than this experiment's (its config.json "
-            "differs); use another --out, or delete it"
+    if saved.exists():
+        old, new = (
+            _flat(json.loads(saved.read_text())),
+            _flat(json.loads(cfg.to_json_best_effort())),
         )
+        differ = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])  # a key added
+        if differ:  # to the config since the run started is taken to hold its default
+            raise ValueError(
+                f"{workdir} holds a run of other settings than this experiment's "
+                f"({', '.join(differ)} differ); use another --out, or delete it"
+            )
     done = workdir / "summary.json"
     if not done.exists() or json.loads(done.read_text())["steps"] != cfg.train.steps:
         trainer.train(cfg, str(workdir), progress=progress)
     return metrics.read_jsonl(workdir / "metrics.jsonl")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
 
 
 def warm_start(workdir: pathlib.Path, preset: str, *, seed: int, progress: bool) -> pathlib.Path:
@@ -179,7 +191,7 @@ def spread(values: Sequence[float], digits: int = 3) -> str:
     v = np.array([x for x in values if _finite(x)], float)
     if not len(v):
         return "n/a"
-    small = 0 < abs(v.mean()) < 10.0 ** (1 - digits)  # would print as 0.000: scientific
+    small = 0 < abs(v.mean()) < 10.0**-digits  # would print as 0.000: scientific
     fmt = (lambda x: f"{x:.2e}") if small else (lambda x: f"{x:.{digits}f}")
     return fmt(v[0]) if len(v) == 1 else f"{fmt(v.mean())} ± {fmt(v.std())}"
 
