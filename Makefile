@@ -21,7 +21,7 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format .

@@ -36,6 +36,7 @@ setuptools.setup(
         "test": [
             "pytest>=8,<10",
             "pytest-timeout>=2.3,<3",  # a hang fails fast with a traceback
+            "pytest-xdist>=3.5,<4",  # make test: two workers, a test file per worker at a time
             "hypothesis>=6.100,<7",  # property tests of the numerics
             "ruff>=0.8,<1",
             "torch==2.13.0",

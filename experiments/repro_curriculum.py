@@ -97,6 +97,7 @@ def main(argv=None) -> dict:
         title="Multi-stage curriculum vs one stage",
         summarize=summarize,
         plots=plots,
+        common={"train.steps": 2} if args.preset == "quick" else {},  # both tiny stages
     )
 
 

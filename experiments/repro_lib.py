@@ -34,7 +34,7 @@ PRESETS = ("quick", "cpu", "large")
 
 # Config overrides of each preset on configs/default.py ("quick" starts from its tiny variant).
 _PRESET_OVERRIDES = {
-    "quick": {"train.steps": 2, "eval.every_steps": 1, "checkpoint.every_steps": 1},
+    "quick": {"train.steps": 1, "checkpoint.every_steps": 1},
     "cpu": {
         "train.steps": 30,
         "eval.every_steps": 10,

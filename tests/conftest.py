@@ -50,3 +50,14 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _fail_skip(outcome.get_result())
+
+
+@pytest.fixture
+def in_memory_compiles():
+    """For tests that count compilations by a jit's cache size: with the persistent cache on,
+    an executable found there may not be entered in the jit's in-memory cache (seen in the full
+    suite only), so such a test compiles without it."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax.clear_caches()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)

@@ -173,7 +173,7 @@ def test_packed_prepare_equals_padded_prepare(replay):
     assert float(want_m["mismatch/router_agreement"]) > 0
 
 
-def test_bounded_shapes_no_recompile_after_warm_up():
+def test_bounded_shapes_no_recompile_after_warm_up(in_memory_compiles):
     # Batches of other lengths reuse the compiled update when their packed rows round up to a
     # bucket already seen (powers of two up to N: at most log2(8) + 1 = 4 shapes).
     sc = _sc(loss=dict(name="espo"))

@@ -404,10 +404,7 @@ def test_decode_loop_reads_the_model_decode_params_layout(params):
     chex.assert_trees_all_equal(out, stacked)
 
 
-def test_buckets_bound_compiles_and_budget(params):
-    # The jit cache is a bounded LRU: filled by earlier tests (the trainer's sampler compiles
-    # under other meshes), a new entry would evict an old one and the count would not grow.
-    jax.clear_caches()
+def test_buckets_bound_compiles_and_budget(params, in_memory_compiles):
     _sample(params, max_new_tokens=12)
     before = sampler.compile_count()
     # Another prompt length and budget inside the same buckets: no new compile.
