@@ -294,12 +294,13 @@ class Checkpointer:
         self.close()
 
 
-def _flatten(config: Mapping, prefix: str = "") -> dict[str, Any]:
+def flatten_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as {"section.field": value} (what check_model_config compares)."""
     out = {}
     for k, v in config.items():
         name = f"{prefix}{k}"
         if isinstance(v, Mapping) and v:
-            out.update(_flatten(v, f"{name}."))
+            out.update(flatten_config(v, f"{name}."))
         else:
             out[name] = v
     return out
@@ -316,7 +317,7 @@ def check_model_config(saved: dict, current: dict) -> None:
     field (`moe.top_k`).
     """
     as_json = lambda c: json.loads(json.dumps(c, default=str))  # dtypes etc. by their str
-    saved_flat, current_flat = _flatten(as_json(saved)), _flatten(as_json(current))
+    saved_flat, current_flat = flatten_config(as_json(saved)), flatten_config(as_json(current))
     show = lambda v: "<absent>" if v is _ABSENT else json.dumps(v)
     lines = []
     for name in sorted(saved_flat.keys() | current_flat.keys()):

@@ -27,7 +27,7 @@ import numpy as np
 from matplotlib import figure as mpl_figure
 from matplotlib.backends import backend_agg
 
-from espo import metrics, testing, trainer
+from espo import checkpoint, metrics, testing, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRESETS = ("quick", "cpu", "large")
@@ -98,8 +98,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: pathlib.Path, *, progress: bool
     saved = workdir / "config.json"
     if saved.exists():
         old, new = (
-            _flat(json.loads(saved.read_text())),
-            _flat(json.loads(cfg.to_json_best_effort())),
+            checkpoint.flatten_config(json.loads(saved.read_text())),
+            checkpoint.flatten_config(json.loads(cfg.to_json_best_effort())),
         )
         differ = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])  # a key added
         if differ:  # to the config since the run started is taken to hold its default
@@ -111,12 +111,6 @@ def run(cfg: ml_collections.ConfigDict, workdir: pathlib.Path, *, progress: bool
     if not done.exists() or json.loads(done.read_text())["steps"] != cfg.train.steps:
         trainer.train(cfg, str(workdir), progress=progress)
     return metrics.read_jsonl(workdir / "metrics.jsonl")
-
-
-def _flat(tree, prefix: str = "") -> dict:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
 
 
 def warm_start(workdir: pathlib.Path, preset: str, *, seed: int, progress: bool) -> pathlib.Path:
