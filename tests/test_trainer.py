@@ -130,7 +130,7 @@ def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypat
     monkeypatch.setattr(trainer.rollout, "generate_and_score", spy)
     workdir = tmp_path / "arm"
     cfg = _config(model__init_from=str(source), train__steps=3, rollout__dtype="bfloat16")
-    cfg.rollout.fp8, cfg.train.log_every = False, 2
+    cfg.rollout.fp8, cfg.train.log_every, cfg.checkpoint.keep = False, 2, 4
     trainer.train(cfg, str(workdir), progress=False)
     assert dtypes and set(dtypes) == {"bfloat16"}
     rows = metrics.read_jsonl(workdir / "metrics.jsonl")
@@ -141,6 +141,12 @@ def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypat
     evals = {k: v for k, v in final.items() if k.startswith("eval/")}
     assert len(evals) > 3 and {k: start[k] for k in evals} == evals
     assert sorted(p.name for p in (source / "checkpoints").iterdir()) == before
+    # The arm's step 0 holds exactly the source's newest params (the tiny model's evals are all
+    # 0, so equal evals alone would not tell a fresh init from the source's params).
+    read = lambda d, step: checkpoint.Checkpointer(
+        d / "checkpoints", every_steps=1, keep=1, read_only=True
+    ).restore_params(step)[0]
+    jax.tree.map(np.testing.assert_array_equal, read(workdir, 0), read(source, 3))
     with pytest.raises(checkpoint.CheckpointMismatchError, match=r"d_model: checkpoint 32"):
         cfg = _config(model__init_from=str(source), model__d_model=48, train__steps=1)
         trainer.train(cfg, str(tmp_path / "other"), progress=False)
