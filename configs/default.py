@@ -220,6 +220,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.reward.ngram_size = 4  # n of the repetition penalty
     c.reward.repetition_threshold = 0.0  # repetition ratio below this is free
     c.reward.function = ""  # "module:name" of your fn(prompt, completion, meta) -> float
+    # A learned reward model (espo.rewards.model_rewards: a saved Bradley–Terry RM) scoring every
+    # rollout; the verifier still measures the run (accuracy, evals) and the rm/* inversion rates.
+    c.reward.model_path = ""  # directory of a saved RM ("" = rewards from the verifier only)
+    c.reward.model_mode = "adjusted"  # naive (RM score) | adjusted (tiers, ties, ranks) | judge
+    c.reward.model_dead_zone = 0.75  # RM score gaps below this are ties (adjusted, judge)
 
     # ---- mesh: espo.sharding (data x fsdp x expert = the device count) ---------------------------
     c.mesh = ml_collections.ConfigDict()

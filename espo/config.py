@@ -203,6 +203,10 @@ class RolloutConfig:
         )  # fmt: skip
 
 
+# How a reward model's scores become rewards (espo.rewards.model_rewards).
+REWARD_MODEL_MODES = ("naive", "adjusted", "judge")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     """Reward shaping weights (L_max of the overlong penalty is the stage's max_new_tokens)."""
@@ -213,9 +217,13 @@ class RewardConfig:
     ngram_size: int = 4
     repetition_threshold: float = 0.0
     function: str = ""  # "module:name" of a reward fn(prompt, completion, meta) -> float
+    model_path: str = ""  # a saved reward model (espo.rewards.model_rewards) scoring rollouts
+    model_mode: str = "adjusted"  # how its scores become rewards: naive | adjusted | judge
+    model_dead_zone: float = 0.75  # RM score gaps below it are ties (adjusted, judge)
 
     def __post_init__(self):
         frac = self.overlong_cache_fraction
+        dz = self.model_dead_zone
         spec = re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.function or "x:y")
         check(
             self,
@@ -225,6 +233,12 @@ class RewardConfig:
                     isinstance(self.function, str) and spec is not None,
                     "'' (the data source's verifier) or 'module:name'",
                 ),
+                "model_path": (isinstance(self.model_path, str), "a directory or ''"),
+                "model_mode": (
+                    self.model_mode in REWARD_MODEL_MODES,
+                    " | ".join(REWARD_MODEL_MODES),
+                ),
+                "model_dead_zone": (_is_num(dz) and dz >= 0, ">= 0"),
             },
         )
 

@@ -66,11 +66,11 @@ def _model(s: config_lib.Settings, key) -> tuple[model_lib.ModelConfig, dict]:
     if s.hf_path:
         return model_lib.load_hf_checkpoint(s.hf_path)
     if s.init_from:
-        return s.model, _params_of_run(s.init_from, s.model)
+        return s.model, params_of_run(s.init_from, s.model)
     return s.model, model_lib.init(s.model, key)
 
 
-def _params_of_run(workdir: str, model_cfg) -> dict:
+def params_of_run(workdir: str, model_cfg) -> dict:
     """The params of the newest checkpoint of the espo run in `workdir` (read only), e.g. one
     warm start shared by the arms of an experiment; its model config must equal this run's."""
     directory = pathlib.Path(workdir) / "checkpoints"
@@ -85,7 +85,7 @@ def _params_of_run(workdir: str, model_cfg) -> dict:
     return params
 
 
-def _reward_fn(s: config_lib.Settings):
+def reward_fn_of(s: config_lib.Settings):
     """reward.function ("module:name", e.g. your own verifier), else the data source's."""
     if s.reward.function:
         module, _, name = s.reward.function.partition(":")
@@ -103,6 +103,24 @@ def _reward_fn(s: config_lib.Settings):
     from espo.rewards import math as math_reward
 
     return math_reward.MathReward()
+
+
+def _reward_model(s: config_lib.Settings, tok):
+    """reward.model_path: the reward-model stage of the rollouts (None without one), loaded and
+    checked against the tokenizer at start."""
+    if not s.reward.model_path:
+        return None
+    from espo.rewards import model_rewards
+
+    r = s.reward
+    try:
+        rm = model_rewards.RewardModelRewards.load(
+            r.model_path, mode=r.model_mode, dead_zone=r.model_dead_zone
+        )
+        tokenizer_lib.check_vocab(tok, rm.cfg.vocab_size)
+    except (OSError, ValueError) as e:
+        raise config_lib.ConfigError(f"--config.reward.model_path={r.model_path!r}: {e}") from None
+    return rm
 
 
 def _buckets(max_prompt_length: int, max_new_tokens: int) -> scheduling.LengthBuckets:
@@ -224,7 +242,8 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     )
     if not evals:
         raise ValueError(f"no held-out prompt fits data.max_prompt_length={s.max_prompt_length}")
-    reward_fn = _reward_fn(s)
+    reward_fn = reward_fn_of(s)
+    reward_model = _reward_model(s, tok)
     curr = s.curriculum
     max_g = max(max(st.group_size for st in curr.stages), s.zve.max_group_size)
     num_rows, mini_rows, micro_rows = s.train.batch_rows(max_g)
@@ -341,7 +360,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                 params_r = fp8(state.params) if s.rollout.fp8 else state.params
                 gen = _Generator(s=s, stage=stage, handle=sampler_handle, params=params_r,
                                  pool=pool, host=host, encode=encode, stop=stop, key=key, Tp=Tp,
-                                 Tg=Tg)  # fmt: skip
+                                 Tg=Tg, reward_model=reward_model)  # fmt: skip
                 zcfg = dataclasses.replace(
                     s.zve,
                     group_size=stage.group_size,
@@ -429,8 +448,10 @@ class _Generator:
     as it is and a carried-over group keeps the arrays of the policy that sampled it.
     """
 
-    def __init__(self, *, s, stage, handle, params, pool, host, encode, stop, key, Tp, Tg):
+    def __init__(self, *, s, stage, handle, params, pool, host, encode, stop, key, Tp, Tg,
+                 reward_model=None):  # fmt: skip
         self.s, self.stage, self.handle, self.params, self.pool = s, stage, handle, params, pool
+        self.reward_model = reward_model  # model_rewards.RewardModelRewards or None
         self.host, self.encode, self.key, self.Tp, self.Tg = host, encode, key, Tp, Tg
         self.parts: list[tuple[rollout.RolloutResult, np.ndarray]] = []
         self.config = rollout.RolloutConfig(
@@ -474,9 +495,20 @@ class _Generator:
         )
         r = res.rollout
         verifier = np.asarray(r.rewards, np.float32)
+        rows = batching.rollout_rows(
+            r, prompt_length=self.Tp, generation_length=self.Tg, pad_id=self.config.sampling.pad_id
+        )
+        reward, verifiable = verifier, None  # the reward advantages normalise (before shaping)
+        if self.reward_model is not None:  # a learned RM's rewards; the verifier measures them
+            correct = np.nan_to_num(verifier) > self.s.advantage.success_threshold
+            reward, verifiable, rm_metrics = self.reward_model(
+                rows["tokens"], rows["attention_mask"], np.asarray(r.group_ids), correct
+            )
+            res = dataclasses.replace(res, metrics={**res.metrics, **rm_metrics})
+            rows["verifier_rewards"] = verifier  # what train/accuracy reads off carried groups
         rep = self.shaping.repetition_weight > 0
         shaped, _ = shaping.shape_rewards(
-            np.nan_to_num(verifier), lengths=np.asarray(r.lengths),
+            np.nan_to_num(reward), lengths=np.asarray(r.lengths),
             token_ids_or_texts=np.asarray(r.tokens) if rep else None, cfg=self.shaping,
         )  # fmt: skip
         self.parts.append((res, shaped))
@@ -484,14 +516,10 @@ class _Generator:
             prompt_ids=tuple(e.id for e in exs),
             group_ids=np.asarray(r.group_ids),
             rewards=shaped,
-            raw_rewards=verifier,
+            raw_rewards=reward,
             valid=np.asarray(r.reward_ok),
-            rows=batching.rollout_rows(
-                r,
-                prompt_length=self.Tp,
-                generation_length=self.Tg,
-                pad_id=self.config.sampling.pad_id,
-            ),  # fmt: skip
+            verifiable=verifiable,
+            rows=rows,
         )
 
     def metrics(self, batch: zero_variance.Groups) -> dict[str, float]:
@@ -506,7 +534,7 @@ class _Generator:
             ok = np.concatenate([np.asarray(r.reward_ok, bool) for r in rs])
             verifier = np.concatenate([np.asarray(r.rewards, np.float32) for r in rs])[ok]
         else:  # served wholly from carried-over groups
-            verifier = batch.verifier_rewards[batch.valid]
+            verifier = batch.rows.get("verifier_rewards", batch.verifier_rewards)[batch.valid]
         out = {
             "train/reward_mean": float(verifier.mean()) if verifier.size else 0.0,
             "train/accuracy": float((verifier > thr).mean()) if verifier.size else 0.0,

@@ -59,7 +59,7 @@ import numpy as np
 import optax
 
 from espo import advantages, model
-from espo.rewards import judge
+from espo.rewards import judge, model_rewards
 from espo.rewards import reward_model as rm
 
 PAD, CORRECT, WRONG, STYLE, FILLER = 0, 2, 3, 4, 8  # filler tokens are FILLER..V-1
@@ -132,21 +132,6 @@ def train(cfg, *, steps: int, batch_size: int, seed: int, lr: float = 3e-3):
         batch = sample_pairs(rng, batch_size, vocab_size=cfg.vocab_size)
         params, opt_state, metrics = step(params, opt_state, batch)
     return params, {k: float(v) for k, v in metrics.items()}
-
-
-def make_scorer(cfg, *, chunk: int = 512):
-    """`score(params, tokens [N, SEQ_LEN], mask) -> np.ndarray [N]` for any N, in chunks of
-    `chunk` rows (the last one padded with copies of row 0), so every call shares one compile."""
-    fn = jax.jit(lambda p, t, m: rm.reward_scores(cfg, p, t, attention_mask=m)[0])
-
-    def score(params, tokens, mask):
-        n = len(tokens)
-        fill = lambda x: np.concatenate([x, np.repeat(x[:1], -n % chunk, axis=0)])
-        tokens, mask = fill(np.asarray(tokens)), fill(np.asarray(mask))
-        out = [fn(params, tokens[i : i + chunk], mask[i : i + chunk]) for i in range(0, n, chunk)]
-        return np.concatenate([np.asarray(o) for o in out])[:n]
-
-    return score
 
 
 def calibrate_dead_zone(
@@ -274,12 +259,12 @@ def run(
     sweep: bool = False,
 ) -> dict:
     """Train, calibrate, evaluate: {"rows", "delta", "train" (last metrics), "cfg", "params",
-    "score" (the compiled `make_scorer`)}, and "sweep" (`sweep_dead_zone`) when `sweep`."""
+    "score" (`model_rewards.make_scorer`)}, and "sweep" (`sweep_dead_zone`) when `sweep`."""
     if W_STYLE * group_size >= 1:
         raise ValueError(f"group_size={group_size} needs W_STYLE={W_STYLE} < 1/G")
     cfg = cfg or model_config()
     params, train_metrics = train(cfg, steps=steps, batch_size=batch_size, seed=seed)
-    score = make_scorer(cfg)
+    score = model_rewards.make_scorer(cfg, chunk=512)
     delta = calibrate_dead_zone(score, params, seed=seed, vocab_size=cfg.vocab_size)
     rng = np.random.default_rng(seed + 1)
     tokens, mask, correct, q = sample_groups(

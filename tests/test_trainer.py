@@ -332,9 +332,9 @@ def test_qwen3_moe_tiny_trains_and_its_export_loads_in_transformers(tmp_path):
 def test_reward_function_names_your_verifier():
     """reward.function ("module:name", verl's custom_reward_function) replaces the source's."""
     settings = lambda f: config_lib.Settings.from_config(_config(reward__function=f))
-    assert trainer._reward_fn(settings("espo.testing:length_reward")) is testing.length_reward
-    assert type(trainer._reward_fn(settings(""))).__name__ == "ReasoningGymReward"
+    assert trainer.reward_fn_of(settings("espo.testing:length_reward")) is testing.length_reward
+    assert type(trainer.reward_fn_of(settings(""))).__name__ == "ReasoningGymReward"
     with pytest.raises(config_lib.ConfigError, match=r"reward\.function='espo\.testing:nope'"):
-        trainer._reward_fn(settings("espo.testing:nope"))
+        trainer.reward_fn_of(settings("espo.testing:nope"))
     with pytest.raises(config_lib.ConfigError, match=r"reward\.function='no_colon' is invalid"):
         settings("no_colon")

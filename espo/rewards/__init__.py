@@ -14,6 +14,8 @@ per-sample timeout is the pool's business). Modules:
   * `judge`: round-robin Better / Tie / Worse rewards from a pairwise judge (`JudgeScores`,
     never verifiable: judge-only groups with no spread go to zero-variance elimination).
   * `generative_judge`: the pairwise judge backed by an espo model and a prompt template.
+  * `model_rewards`: the trainer's reward-model stage (`reward.model_path`): a saved BT RM
+    scores every rollout; naive / adjusted / judge rewards and the inversion they cause.
 """
 
 import importlib
@@ -24,6 +26,7 @@ _SUBMODULES = (
     "gym",
     "judge",
     "math",
+    "model_rewards",
     "pool",
     "procedural",
     "reward_model",

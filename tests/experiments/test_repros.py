@@ -116,3 +116,19 @@ def test_system_quick(out):
     )
     assert rollout("overlap")["schedule"] == "fifo" and not rollout("overlap")["fp8"]
     assert "| + reward overlap | " in (out / "sys" / "results.md").read_text()
+
+
+def test_inversion_training_quick(out):
+    """A BT reward model trained from the warm start scores every rollout; the naive RM's
+    rewards invert advantages in groups whose rollouts are equally correct, the adjusted ones
+    (verifier tiers, ties) invert fewer, and both are measured against the same verifier."""
+    repro = _load("repro_inversion_training")
+    argv = ["--quick", "--arms", "naive,adjusted", "--out", str(out / "inversion")]
+    data = repro.main([*argv, "--warm-start", str(out / "warm"), "--no-progress"])
+    naive, adjusted = data["naive"], data["adjusted"]
+    assert (out / "inversion" / "reward_model" / "reward_model.json").exists()
+    assert 0 <= data["rm"]["held_out_pair_accuracy"] <= 1
+    assert naive["inversion_rate"][0] > adjusted["inversion_rate"][0] >= 0
+    assert naive["pair_accuracy"] == adjusted["pair_accuracy"]  # same rollouts, same RM
+    assert naive["pass@1 start"] == adjusted["pass@1 start"]
+    assert "| naive RM |" in (out / "inversion" / "results.md").read_text()
