@@ -10,10 +10,11 @@ inversion"); experiments/repro_inversion.py measures that on a synthetic task wi
 policy. Here the policy is the embedded default (`configs/default.py`) trained from the shared
 warm start, and its rewards come from a learned Bradley–Terry RM (`reward.model_path`):
 1. The RM: the warm start's backbone plus a scalar head (`espo.rewards.reward_model`), trained
-   on (prompt, correct demonstration) vs (prompt, another prompt's demonstration that the
-   verifier scores wrong) pairs of the training prompts, LABEL_NOISE of the labels flipped:
-   an RM that mostly knows correctness, noisily. Its held-out pair accuracy (clean labels) is
-   reported; `rm/pair_accuracy` measures it on the policy's own rollouts during training.
+   on (correct, wrong) pairs of the warm-start policy's own samples (G = 8 per prompt at
+   temperature 1, one pair per group that mixes both, labelled by the verifier), LABEL_NOISE
+   of the labels flipped: an RM that learns correctness from outcomes, noisily. Its held-out
+   pair accuracy (clean labels, other prompts) is reported; `rm/pair_accuracy` measures it on
+   the training run's rollouts, whose policy drifts from the one it was trained on.
 2. Arms (plain GRPO, same seeds and budget): "verifier" (the reference: verifier rewards, no
    RM), "naive" (r = RM score), "adjusted" (`reward_model.adjust_rewards`: verifier tiers, RM
    gaps < 0.75 tie, ranks), "judge" (round-robin Better / Tie / Worse of a judge that prefers
@@ -39,13 +40,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import repro_lib  # noqa: E402
 
 from espo import config as config_lib  # noqa: E402
-from espo import trainer  # noqa: E402
+from espo import model, sampler, trainer  # noqa: E402
 from espo.data import sources, stream, tokenizer  # noqa: E402
 from espo.rewards import model_rewards  # noqa: E402
 from espo.rewards import reward_model as rm  # noqa: E402
 
 LABEL_NOISE = 0.2  # share of the RM's training labels flipped
-RM_STEPS = {"quick": 2, "cpu": 150, "large": 400}
+RM_STEPS = {"quick": 2, "cpu": 300, "large": 600}
+RM_PROMPTS = {"quick": (32, 32), "cpu": (1024, 128), "large": (4096, 512)}  # train, held out
 RM_BATCH = 32
 _PLAIN = {
     "loss.name": "grpo",
@@ -65,61 +67,98 @@ RM_KEYS = ("rm/inversion_rate", "rm/inversion_rate_mixed", "rm/sign_agreement", 
 
 
 class PairMaker:
-    """(prompt + correct demonstration, prompt + a wrong one) rows of the run's training prompts."""
+    """(prompt + correct rollout, prompt + wrong rollout) pairs of the warm-start policy's own
+    samples (temperature 1, G per prompt, scored by the verifier): the pairs an RM for this
+    policy would be trained on, so what it learns transfers to the rollouts it will score."""
 
-    def __init__(self, preset: str, *, seed: int):
+    def __init__(self, preset: str, params, *, seed: int, group_size: int = 8):
         s = config_lib.Settings.from_config(repro_lib.config(preset))
-        self.s, self.tok = s, tokenizer.load_tokenizer(s.hf_path)
+        self.s, self.params, self.G = s, params, group_size
+        self.tok = tokenizer.load_tokenizer(s.hf_path)
         self.reward_fn = trainer.reward_fn_of(s)
         self.stream = stream.PromptStream(sources.make_sources(s.data)[0], seed=seed + 7)
+        self.key = jax.random.key(seed + 7)
         self.T = s.max_prompt_length + s.curriculum.max_new_tokens
         self.rng = np.random.default_rng(seed)
 
-    def _row(self, prompt_ids, text):
-        ids = (prompt_ids + self.tok.encode_completion(text))[: self.T]
+    def pairs(self, num_prompts: int, *, chunk: int = 32) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [N, 2, T] and masks [N, 2, T] of (correct, wrong) pairs, one per group with a
+        wrong sample (its correct side a correct sample, else the prompt's demonstration)."""
+        s, tok, thr = self.s, self.tok, self.s.advantage.success_threshold
+        tokens, masks = [], []
+        for _ in range(0, num_prompts, chunk):
+            exs = self.stream.take(
+                chunk, accept=lambda e: len(tok.encode_prompt(e.prompt)) <= s.max_prompt_length
+            )
+            prompts = [tok.encode_prompt(e.prompt) for e in exs]
+            self.key, key = jax.random.split(self.key)
+            out = sampler.sample(
+                model.Model(s.model), self.params, prompts, [len(p) for p in prompts], key=key,
+                num_samples=self.G, max_new_tokens=s.curriculum.max_new_tokens,
+                stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id,
+            )  # fmt: skip
+            completions, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+            for i, e in enumerate(exs):
+                rows = range(i * self.G, (i + 1) * self.G)
+                samples = [completions[r, : lengths[r]] for r in rows]
+                good, bad = [], []
+                for c in samples:
+                    ok = self.reward_fn(e.prompt, tok.decode(c), e.meta) > thr
+                    (good if ok else bad).append(c)
+                # No correct sample (a weak policy): the prompt's demonstration is the good one.
+                good = good or [np.asarray(tok.encode_completion(e.demonstration or e.answer))]
+                if bad:
+                    pair = [self._row(prompts[i], c)
+                            for c in (good[self.rng.integers(len(good))],
+                                      bad[self.rng.integers(len(bad))])]  # fmt: skip
+                    tokens.append(np.stack([t for t, _ in pair]))
+                    masks.append(np.stack([m for _, m in pair]))
+        return np.stack(tokens), np.stack(masks)
+
+    def _row(self, prompt_ids, completion_ids):
+        ids = np.concatenate([prompt_ids, completion_ids])[: self.T]
         row = np.full(self.T, self.tok.pad_id, np.int32)
         row[: len(ids)] = ids
         return row, np.arange(self.T) < len(ids)
 
-    def batch(self, n: int, *, noise: float) -> rm.PreferenceBatch:
-        chosen, rejected = [], []
-        thr = self.s.advantage.success_threshold
-        while len(chosen) < n:
-            a, *others = self.stream.take(8)
-            text = lambda e: e.demonstration or e.answer
-            wrong = [text(b) for b in others if self.reward_fn(a.prompt, text(b), a.meta) <= thr]
-            if wrong:  # another prompt's demonstration that the verifier scores wrong
-                p = self.tok.encode_prompt(a.prompt)
-                chosen.append(self._row(p, text(a)))
-                rejected.append(self._row(p, wrong[self.rng.integers(len(wrong))]))
-        flip = self.rng.random(n) < noise
-        pick = lambda x, y, i: np.stack([(y if f else x)[k][i] for k, f in enumerate(flip)])
-        return rm.PreferenceBatch(
-            pick(chosen, rejected, 0), pick(rejected, chosen, 0),
-            pick(chosen, rejected, 1), pick(rejected, chosen, 1),
-        )  # fmt: skip
+
+def preference_batch(tokens, masks, rows, flip) -> rm.PreferenceBatch:
+    """Pairs `rows` of `PairMaker.pairs`, the label of those with `flip` swapped."""
+    first = np.where(flip, 1, 0)
+    pick = lambda a, side: a[rows, side]
+    return rm.PreferenceBatch(
+        pick(tokens, first), pick(tokens, 1 - first), pick(masks, first), pick(masks, 1 - first)
+    )
 
 
 def train_reward_model(out: pathlib.Path, warm: pathlib.Path, preset: str, *, seed: int) -> dict:
     """Trains and saves the RM in OUT/reward_model once; its held-out clean pair accuracy."""
     path, s = out / "reward_model", config_lib.Settings.from_config(repro_lib.config(preset))
-    pairs = PairMaker(preset, seed=seed)
-    held_out = pairs.batch(256, noise=0.0)
+    policy = trainer.params_of_run(str(warm), s.model)
+    maker = PairMaker(preset, policy, seed=seed)
+    n_train, n_held = RM_PROMPTS[preset]
+    held_tokens, held_masks = maker.pairs(n_held)
+    info = {"held_out_pairs": len(held_tokens)}
     if not (path / model_rewards.MANIFEST).exists():
+        tokens, masks = maker.pairs(n_train)
+        noisy = maker.rng.random(len(tokens)) < LABEL_NOISE  # fixed per pair: noisy labels
         params = rm.init_reward_model(s.model, jax.random.key(seed))
-        params["backbone"] = trainer.params_of_run(str(warm), s.model)
+        params["backbone"] = policy
         optimizer = optax.adam(1e-3)
         step, opt_state = rm.make_train_step(s.model, optimizer), optimizer.init(params)
         for i in range(RM_STEPS[preset]):
-            params, opt_state, m = step(params, opt_state, pairs.batch(RM_BATCH, noise=LABEL_NOISE))
+            rows = maker.rng.integers(len(tokens), size=RM_BATCH)
+            batch = preference_batch(tokens, masks, rows, noisy[rows])
+            params, opt_state, m = step(params, opt_state, batch)
             if i % 25 == 0:
                 print(f"RM step {i}: BT loss {float(m['bt_loss']):.3f}", flush=True)
         model_rewards.save(path, s.model, params)
+        info["train_pairs"] = len(tokens)
     cfg, params = model_rewards.load(path)
     score = model_rewards.make_scorer(cfg)
-    good = score(params, held_out.chosen, held_out.chosen_mask)
-    bad = score(params, held_out.rejected, held_out.rejected_mask)
-    return {"path": str(path), "held_out_pair_accuracy": float(np.mean(good > bad))}
+    good = score(params, held_tokens[:, 0], held_masks[:, 0])
+    bad = score(params, held_tokens[:, 1], held_masks[:, 1])
+    return {"path": str(path), "held_out_pair_accuracy": float(np.mean(good > bad)), **info}
 
 
 def summarize(rm_info):
@@ -136,8 +175,10 @@ def summarize(rm_info):
         rows = [[a.title, *(repro_lib.spread(v) for v in data[a.name].values())] for a in arm_list]
         notes = (
             f"The RM: the warm start's backbone + a scalar head, {rm_info['steps']} Bradley–Terry "
-            f"steps of {RM_BATCH} pairs with {LABEL_NOISE:.0%} of the labels flipped; held-out "
-            f"pair accuracy (clean labels) {rm_info['held_out_pair_accuracy']:.3f}. Columns: "
+            f"steps of {RM_BATCH} pairs drawn from {rm_info.get('train_pairs', '?')} (correct, "
+            f"wrong) pairs of the warm-start policy's samples, {LABEL_NOISE:.0%} of the labels "
+            f"flipped; held-out pair accuracy (clean labels, {rm_info['held_out_pairs']} pairs "
+            f"of other prompts) {rm_info['held_out_pair_accuracy']:.3f}. Columns: "
             "means over the RL steps (rm/* measured against the verifier on every step's "
             "rollouts; the verifier arm has no RM: n/a); ± is the std over seeds."
         )
