@@ -46,8 +46,10 @@ from espo.rewards import model_rewards  # noqa: E402
 from espo.rewards import reward_model as rm  # noqa: E402
 
 LABEL_NOISE = 0.2  # share of the RM's training labels flipped
-RM_STEPS = {"quick": 2, "cpu": 300, "large": 600}
-RM_PROMPTS = {"quick": (32, 32), "cpu": (1024, 128), "large": (4096, 512)}  # train, held out
+RM_STEPS = {"quick": 2, "cpu": 400, "large": 1000}
+RM_PROMPTS = {"quick": (32, 32), "cpu": (4096, 512), "large": (16384, 1024)}  # train, held out
+RM_LR = 3e-4
+EVAL_EVERY = 50
 RM_BATCH = 32
 _PLAIN = {
     "loss.name": "grpo",
@@ -132,33 +134,48 @@ def preference_batch(tokens, masks, rows, flip) -> rm.PreferenceBatch:
 
 
 def train_reward_model(out: pathlib.Path, warm: pathlib.Path, preset: str, *, seed: int) -> dict:
-    """Trains and saves the RM in OUT/reward_model once; its held-out clean pair accuracy."""
+    """Trains and saves the RM in OUT/reward_model once; its held-out clean pair accuracy.
+
+    Held-out pairs (other prompts, clean labels) are split in two: the validation half picks
+    the checkpoint (every EVAL_EVERY steps: BT on noisy pairs overfits them), the test half is
+    the accuracy reported."""
     path, s = out / "reward_model", config_lib.Settings.from_config(repro_lib.config(preset))
     policy = trainer.params_of_run(str(warm), s.model)
     maker = PairMaker(preset, policy, seed=seed)
     n_train, n_held = RM_PROMPTS[preset]
     held_tokens, held_masks = maker.pairs(n_held)
-    info = {"held_out_pairs": len(held_tokens)}
+    half = len(held_tokens) // 2
+    cfg = s.model
+    score = model_rewards.make_scorer(cfg)
+    accuracy = lambda p, sl: float(
+        np.mean(score(p, held_tokens[sl, 0], held_masks[sl, 0])
+                > score(p, held_tokens[sl, 1], held_masks[sl, 1]))
+    )  # fmt: skip
+    info = {"held_out_pairs": len(held_tokens) - half}
     if not (path / model_rewards.MANIFEST).exists():
         tokens, masks = maker.pairs(n_train)
         noisy = maker.rng.random(len(tokens)) < LABEL_NOISE  # fixed per pair: noisy labels
-        params = rm.init_reward_model(s.model, jax.random.key(seed))
+        params = rm.init_reward_model(cfg, jax.random.key(seed))
         params["backbone"] = policy
-        optimizer = optax.adam(1e-3)
-        step, opt_state = rm.make_train_step(s.model, optimizer), optimizer.init(params)
-        for i in range(RM_STEPS[preset]):
+        optimizer = optax.adam(RM_LR)
+        step, opt_state = rm.make_train_step(cfg, optimizer), optimizer.init(params)
+        best = (-1.0, 0, params)
+        for i in range(1, RM_STEPS[preset] + 1):
             rows = maker.rng.integers(len(tokens), size=RM_BATCH)
             batch = preference_batch(tokens, masks, rows, noisy[rows])
             params, opt_state, m = step(params, opt_state, batch)
-            if i % 25 == 0:
-                print(f"RM step {i}: BT loss {float(m['bt_loss']):.3f}", flush=True)
-        model_rewards.save(path, s.model, params)
-        info["train_pairs"] = len(tokens)
-    cfg, params = model_rewards.load(path)
-    score = model_rewards.make_scorer(cfg)
-    good = score(params, held_tokens[:, 0], held_masks[:, 0])
-    bad = score(params, held_tokens[:, 1], held_masks[:, 1])
-    return {"path": str(path), "held_out_pair_accuracy": float(np.mean(good > bad)), **info}
+            if i % EVAL_EVERY == 0 or i == RM_STEPS[preset]:
+                val = accuracy(params, slice(0, half))
+                print(
+                    f"RM step {i}: BT loss {float(m['bt_loss']):.3f}, validation {val:.3f}",
+                    flush=True,
+                )
+                best = max(best, (val, i, params), key=lambda b: b[:2])
+        model_rewards.save(path, cfg, best[2])
+        info |= {"train_pairs": len(tokens), "chosen_step": best[1], "validation": best[0]}
+    _, params = model_rewards.load(path)
+    return {"path": str(path), "held_out_pair_accuracy": accuracy(params, slice(half, None)),
+            **info}  # fmt: skip
 
 
 def summarize(rm_info):
@@ -177,8 +194,10 @@ def summarize(rm_info):
             f"The RM: the warm start's backbone + a scalar head, {rm_info['steps']} Bradley–Terry "
             f"steps of {RM_BATCH} pairs drawn from {rm_info.get('train_pairs', '?')} (correct, "
             f"wrong) pairs of the warm-start policy's samples, {LABEL_NOISE:.0%} of the labels "
-            f"flipped; held-out pair accuracy (clean labels, {rm_info['held_out_pairs']} pairs "
-            f"of other prompts) {rm_info['held_out_pair_accuracy']:.3f}. Columns: "
+            f"flipped, lr {RM_LR}, the step of best validation accuracy kept (step "
+            f"{rm_info.get('chosen_step', '?')}); test pair accuracy (clean labels, "
+            f"{rm_info['held_out_pairs']} pairs of other prompts) "
+            f"{rm_info['held_out_pair_accuracy']:.3f}. Columns: "
             "means over the RL steps (rm/* measured against the verifier on every step's "
             "rollouts; the verifier arm has no RM: n/a); ± is the std over seeds."
         )
