@@ -60,21 +60,18 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "hardest end": lambda r: repro_lib.last(r, hardest_key(r)),
         "hardest change": lambda r: repro_lib.change(r, hardest_key(r)),
         "hardest best": lambda r: max(repro_lib.series(r, hardest_key(r))[1]),
-        "pass@1 start": lambda r: repro_lib.series(r, "eval/pass@1")[1][0],
-        "pass@1 end": lambda r: repro_lib.last(r, "eval/pass@1"),
+        **repro_lib.heldout_columns(),
         "rollouts": lambda r: sum(x.get("train/rollouts") or 0.0 for x in r),
         "generated tokens": lambda r: sum(x.get("train/generated_tokens") or 0.0 for x in r),
     }
-    data = {a.name: {c: repro_lib.per_seed(runs[a.name], f) for c, f in cols.items()}
-            for a in arm_list}  # fmt: skip
-    rows = [[a.title, *(repro_lib.spread(v) for v in data[a.name].values())] for a in arm_list]
+    table, data = repro_lib.arm_table(runs, arm_list, cols)
     first = runs[arm_list[0].name][0]
     notes = (
         f"Hardest level: `{hardest_key(first)}` (held-out greedy pass@1 on it); ± is the std "
         "over seeds. Both arms optimise the same number of groups a step; rollouts and tokens "
         "are what they generated."
     )
-    return [repro_lib.markdown_table(["arm", *cols], rows), notes], data
+    return [table, notes], data
 
 
 def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:

@@ -183,13 +183,9 @@ def summarize(rm_info):
         cols = {k.split("/")[1]: (lambda r, k=k: repro_lib.mean_over(r, k)) for k in RM_KEYS}
         cols |= {
             "train accuracy": lambda r: repro_lib.mean_over(r, "train/accuracy"),
-            "pass@1 start": lambda r: repro_lib.series(r, "eval/pass@1")[1][0],
-            "pass@1 end": lambda r: repro_lib.last(r, "eval/pass@1"),
-            "pass@1 change": lambda r: repro_lib.change(r, "eval/pass@1"),
+            **repro_lib.heldout_columns(),
         }
-        data = {a.name: {c: repro_lib.per_seed(runs[a.name], f) for c, f in cols.items()}
-                for a in arm_list}  # fmt: skip
-        rows = [[a.title, *(repro_lib.spread(v) for v in data[a.name].values())] for a in arm_list]
+        table, data = repro_lib.arm_table(runs, arm_list, cols)
         notes = (
             f"The RM: the warm start's backbone + a scalar head, {rm_info['steps']} Bradley–Terry "
             f"steps of {RM_BATCH} pairs drawn from {rm_info.get('train_pairs', '?')} (correct, "
@@ -201,7 +197,7 @@ def summarize(rm_info):
             "means over the RL steps (rm/* measured against the verifier on every step's "
             "rollouts; the verifier arm has no RM: n/a); ± is the std over seeds."
         )
-        return [repro_lib.markdown_table(["arm", *cols], rows), notes], {"rm": rm_info, **data}
+        return [table, notes], {"rm": rm_info, **data}
 
     return _summarize
 

@@ -194,7 +194,25 @@ def per_seed(runs: Sequence[list[dict]], fn: Callable[[list[dict]], float]) -> l
     return [fn(records) for records in runs]
 
 
+def heldout_columns(key: str = "eval/pass@1", name: str = "pass@1") -> dict[str, Callable]:
+    """Per-run columns of a held-out metric: its first value, last value and the change."""
+    return {
+        f"{name} start": lambda r: series(r, key)[1][0],
+        f"{name} end": lambda r: last(r, key),
+        f"{name} change": lambda r: change(r, key),
+    }
+
+
 # ---- writing results -------------------------------------------------------------------------
+def arm_table(
+    runs: Mapping[str, list[list[dict]]], arms: Sequence[Arm], cols: Mapping[str, Callable]
+) -> tuple[str, dict]:
+    """A Markdown row per arm (each column's `spread` over seeds) and {arm: {column: [seeds]}}."""
+    data = {a.name: {c: per_seed(runs[a.name], f) for c, f in cols.items()} for a in arms}
+    rows = [[a.title, *(spread(v) for v in data[a.name].values())] for a in arms]
+    return markdown_table(["arm", *cols], rows), data
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -68,13 +68,9 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         ),
         "tokens with gradient": lambda r: repro_lib.mean_over(r, "loss/grad_token_frac"),
         "rollout ZVP rate": lambda r: repro_lib.mean_over(r, "zve/rollout_zvp_rate"),
-        "pass@1 start": lambda r: repro_lib.series(r, "eval/pass@1")[1][0],
-        "pass@1 end": lambda r: repro_lib.last(r, "eval/pass@1"),
-        "pass@1 change": lambda r: repro_lib.change(r, "eval/pass@1"),
+        **repro_lib.heldout_columns(),
     }
-    data = {a.name: {c: repro_lib.per_seed(runs[a.name], f) for c, f in cols.items()}
-            for a in arm_list}  # fmt: skip
-    rows = [[a.title, *(repro_lib.spread(v) for v in data[a.name].values())] for a in arm_list]
+    table, data = repro_lib.arm_table(runs, arm_list, cols)
     notes = (
         "Totals over the run (rollouts, informative groups: groups whose verifier rewards "
         "differ) and means over the RL steps: the share of the optimiser's rollouts in ZVP "
@@ -83,7 +79,7 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "groups; ± is the std over seeds. Every arm optimises train.prompts_per_step groups a "
         "step, so arms that refill spend more rollouts a step."
     )
-    return [repro_lib.markdown_table(["arm", *cols], rows), notes], data
+    return [table, notes], data
 
 
 def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
