@@ -11,6 +11,9 @@ sorted by expert and handed to `expert_ffn`, a grouped matmul over contiguous ex
     `while_loop` over tiles of one expert each, skipped when every group fits. C is static,
     `capacity_for(M*K, E)`: ~1.25x the mean group, so decode (M*K ~ E), prefill and the update
     (M*K >> E) each get their own. Its gradient is einsums into [E, D, F] plus the same loop.
+    On CPU, capacities up to SMALL_GROUP_ROWS (decode with many experts) run each matmul as a
+    fused multiply-and-reduce (`_streamed`) instead of the batched GEMM: 1.27x faster decode at
+    E=128.
   * "ragged": `jax.lax.ragged_dot`, a grouped GEMM on GPU/TPU. (On CPU XLA lowers it to a masked
     dense matmul over all experts, E/K times the work, so it is not the CPU default.)
   * "blocked": each expert's group is padded to a multiple of a block size and every block is
@@ -181,10 +184,9 @@ def _capacity_ffn(xs, group_sizes, w_gate, w_up, w_down, *, capacity):
     slot_row = starts[:, None] + jnp.arange(C)  # [E, C] sorted row of slot (e, c)
     slot_mask = jnp.arange(C) < group_sizes[:, None]  # [E, C]
     xe = jnp.where(slot_mask[..., None], xs[jnp.minimum(slot_row, R - 1)], 0)  # [E, C, D]
-    h = _swiglu_rows(
-        jnp.einsum("ecd,edf->ecf", xe, w_gate), jnp.einsum("ecd,edf->ecf", xe, w_up)
-    )  # [E, C, F]
-    ye = jnp.einsum("ecf,efd->ecd", h, w_down).reshape(E * C, D)  # [E*C, D]
+    mm = _grouped_matmul if C > SMALL_GROUP_ROWS or jax.default_backend() != "cpu" else _streamed
+    h = _swiglu_rows(mm(xe, w_gate), mm(xe, w_up))  # [E, C, F]
+    ye = mm(h, w_down).reshape(E * C, D)  # [E*C, D]
     row_expert = jnp.searchsorted(ends, jnp.arange(R), side="right")  # [R]; E past the groups
     in_group = row_expert < E  # [R]
     row_expert = jnp.minimum(row_expert, E - 1)
@@ -195,6 +197,45 @@ def _capacity_ffn(xs, group_sizes, w_gate, w_up, w_down, *, capacity):
         return jnp.where(main[:, None], y_main, 0)
     y_over = _overflow_ffn(xs, group_sizes, w_gate, w_up, w_down, C, _overflow_tile(C))  # [R, D]
     return jnp.where(main[:, None], y_main, jnp.where(in_group[:, None], y_over, 0))
+
+
+# Capacities up to this take `_streamed` on CPU. Measured on 2 cores, whole decode (B=64, 4
+# layers, F=128; streamed vs GEMM): d256 E128 (C=4) 2.48k vs 1.96k tok/s, d256 E32 (C=12) 5.54k
+# vs 4.86k; d128 E16 (C=20) 13.1k vs 13.7k and d256 E8 (C=40) 7.4k vs 7.5k favour the GEMM,
+# as prefill and the update (C in the hundreds) do by far.
+SMALL_GROUP_ROWS = 16
+
+
+def _grouped_matmul(x, w):
+    """[E, C, K] x [E, K, N] -> [E, C, N], a batched GEMM."""
+    return jnp.einsum("eck,ekn->ecn", x, w)
+
+
+@jax.custom_vjp
+def _streamed(x, w):
+    """`_grouped_matmul` as one fused multiply-and-reduce over K, accumulated in float32.
+
+    At decode's few rows per expert XLA:CPU's batched GEMM runs each expert's [C, K] x [K, N]
+    as a tiny, badly vectorised dot; the fused reduction streams every expert's weights once
+    faster (`SMALL_GROUP_ROWS`). Its gradient is the GEMM's (two einsums), so the
+    backward never holds the [E, C, K, N] product.
+    """
+    prod = x.astype(jnp.float32)[..., None] * w.astype(jnp.float32)[:, None]  # [E, C, K, N]
+    return jnp.sum(prod, axis=2).astype(jnp.result_type(x, w))
+
+
+def _streamed_fwd(x, w):
+    return _streamed(x, w), (x, w)
+
+
+def _streamed_bwd(res, g):
+    x, w = res
+    return jnp.einsum("ecn,ekn->eck", g, w).astype(x.dtype), jnp.einsum(
+        "eck,ecn->ekn", x, g
+    ).astype(w.dtype)
+
+
+_streamed.defvjp(_streamed_fwd, _streamed_bwd)
 
 
 def _overflow_tile(capacity: int) -> int:

@@ -246,3 +246,30 @@ def test_router_losses_ignore_whatever_padding_holds(seed, num_pad, fill):
     chex.assert_tree_all_finite(grad)
     chex.assert_trees_all_close(grad[num_pad:], want_grad, rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(grad[:num_pad], 0.0)
+
+
+def _uses_streamed(capacity, weights):
+    w_gate, w_up, w_down, x = weights
+    ids, w = _routing(1)
+    fn = lambda *a: moe.dispatch(*a, impl="capacity", capacity=capacity)  # noqa: E731
+    return "custom_vjp" in str(jax.make_jaxpr(fn)(x, ids, w, w_gate, w_up, w_down))
+
+
+def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, monkeypatch):
+    """Decode-sized groups (capacity <= SMALL_GROUP_ROWS) take the fused multiply-and-reduce on
+    CPU, larger ones the batched GEMM; both equal the loop reference (tests above) and each
+    other, in value and gradient."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the streamed path is CPU-only")
+    assert _uses_streamed(4, weights) and not _uses_streamed(moe.SMALL_GROUP_ROWS + 1, weights)
+    w_gate, w_up, w_down, x = weights
+    ids, w = _routing(2)
+    args = (x, ids, w, w_gate, w_up, w_down)
+    run = lambda: jax.value_and_grad(  # noqa: E731
+        lambda *a: jnp.sum(jnp.sin(moe.dispatch(*a, impl="capacity", capacity=12))), (0, 3, 4, 5)
+    )(*args)
+    streamed = run()
+    monkeypatch.setattr(moe, "SMALL_GROUP_ROWS", 0)
+    assert not _uses_streamed(4, weights)
+    for a, b in zip(jax.tree.leaves(streamed), jax.tree.leaves(run()), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
