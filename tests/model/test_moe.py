@@ -252,7 +252,7 @@ def _uses_streamed(capacity, weights):
     w_gate, w_up, w_down, x = weights
     ids, w = _routing(1)
     fn = lambda *a: moe.dispatch(*a, impl="capacity", capacity=capacity)  # noqa: E731
-    return "custom_vjp" in str(jax.make_jaxpr(fn)(x, ids, w, w_gate, w_up, w_down))
+    return "_streamed" in str(jax.make_jaxpr(fn)(x, ids, w, w_gate, w_up, w_down))
 
 
 def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, monkeypatch):
@@ -272,4 +272,4 @@ def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, 
     monkeypatch.setattr(moe, "SMALL_GROUP_ROWS", 0)
     assert not _uses_streamed(4, weights)
     for a, b in zip(jax.tree.leaves(streamed), jax.tree.leaves(run()), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -109,7 +109,7 @@ def test_save_load_round_trip_and_errors(tmp_path):
 
 def _config(**reward):
     cfg = testing.load_script(ROOT / "configs" / "default.py").get_config("tiny")
-    cfg.train.steps = 2
+    cfg.train.steps = 1
     cfg.reward.update(reward)
     return cfg
 
@@ -125,7 +125,7 @@ def test_trainer_trains_on_the_reward_model(tmp_path):
     trainer.train(_config(model_path=str(path), model_mode="naive"), str(tmp_path / "run"),
                   progress=False)  # fmt: skip
     rows = metrics.read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]
-    assert [r["zve/rollout_zvp_rate"] for r in rows] == [0.0, 0.0]
+    assert [r["zve/rollout_zvp_rate"] for r in rows] == [0.0]
     for key in ("rm/inversion_rate", "rm/pair_accuracy", "train/accuracy"):
         assert all(0 <= r[key] <= 1 for r in rows), key
     assert all(r["rm/inversion_rate"] > 0 for r in rows)  # random scores invert
