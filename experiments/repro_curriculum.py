@@ -82,10 +82,7 @@ def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> dict:
-    parser = repro_lib.parser(__doc__, out="runs/repro/curriculum", seeds="0")
-    parser.add_argument("--arms", default="curriculum,single")
-    args = parser.parse_args(argv)
-    arm_list = repro_lib.select_arms(parser, args.arms, arms(args.preset))
+    args, arm_list = repro_lib.parse_arms(__doc__, argv, out="runs/repro/curriculum", arms=arms)
     return repro_lib.experiment(
         args,
         argv,

@@ -214,10 +214,9 @@ def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> dict:
-    parser = repro_lib.parser(__doc__, out="runs/repro/inversion_training", seeds="0")
-    parser.add_argument("--arms", default=",".join(ARMS))
-    args = parser.parse_args(argv)
-    arm_list = repro_lib.select_arms(parser, args.arms, ARMS)
+    args, arm_list = repro_lib.parse_arms(
+        __doc__, argv, out="runs/repro/inversion_training", arms=ARMS
+    )
     out, seeds = pathlib.Path(args.out), repro_lib.seeds_of(args)
     warm = repro_lib.warm_start(
         repro_lib.warm_dir(args), args.preset, seed=seeds[0], progress=not args.no_progress

@@ -320,6 +320,22 @@ def warm_dir(args: argparse.Namespace) -> pathlib.Path:
     return pathlib.Path("runs/repro") / f"warm_start_{args.preset}_{seeds_of(args)[0]}"
 
 
+def parse_arms(
+    doc: str,
+    argv: Sequence[str] | None,
+    *,
+    out: str,
+    arms: Mapping[str, Arm] | Callable[[str], Mapping[str, Arm]],
+) -> tuple[argparse.Namespace, list[Arm]]:
+    """`parser`'s options plus --arms (comma-separated, default all): (args, the chosen arms).
+    `arms` may depend on the preset: a function of it."""
+    p = parser(doc, out=out, seeds="0")
+    p.add_argument("--arms", default=None, help="comma-separated arm names (default: all)")
+    args = p.parse_args(argv)
+    known = arms(args.preset) if callable(arms) else arms
+    return args, select_arms(p, args.arms or ",".join(known), known)
+
+
 def select_arms(parser: argparse.ArgumentParser, names: str, known: Mapping[str, Arm]) -> list[Arm]:
     """The arms named in a comma-separated --arms value; an unknown name is a usage error."""
     unknown = [a for a in names.split(",") if a not in known]

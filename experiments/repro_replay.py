@@ -109,10 +109,7 @@ def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> dict:
-    parser = repro_lib.parser(__doc__, out="runs/repro/replay", seeds="0")
-    parser.add_argument("--arms", default=",".join(all_arms()))
-    args = parser.parse_args(argv)
-    arm_list = repro_lib.select_arms(parser, args.arms, all_arms())
+    args, arm_list = repro_lib.parse_arms(__doc__, argv, out="runs/repro/replay", arms=all_arms())
     return repro_lib.experiment(
         args,
         argv,

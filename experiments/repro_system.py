@@ -121,13 +121,11 @@ def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> dict:
-    parser = repro_lib.parser(__doc__, out="runs/repro/system", seeds="0")
-    parser.add_argument("--arms", default=",".join(arms()))
-    args = parser.parse_args(argv)
+    args, arm_list = repro_lib.parse_arms(__doc__, argv, out="runs/repro/system", arms=arms())
     return repro_lib.experiment(
         args,
         argv,
-        repro_lib.select_arms(parser, args.arms, arms()),
+        arm_list,
         script="repro_system.py",
         title="The rollout system, part by part (Table 1 analogue)",
         summarize=summarize,

@@ -99,10 +99,7 @@ def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> dict:
-    parser = repro_lib.parser(__doc__, out="runs/repro/zve_training", seeds="0")
-    parser.add_argument("--arms", default=",".join(ARMS))
-    args = parser.parse_args(argv)
-    arm_list = repro_lib.select_arms(parser, args.arms, ARMS)
+    args, arm_list = repro_lib.parse_arms(__doc__, argv, out="runs/repro/zve_training", arms=ARMS)
     return repro_lib.experiment(
         args,
         argv,
