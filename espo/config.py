@@ -23,6 +23,7 @@ import ml_collections
 from espo import advantages, curriculum, evaluate, losses, zero_variance
 from espo.data import examples as data_examples
 from espo.model import config as model_config
+from espo.rewards import reward_model
 
 SCHEDULES = ("cosine", "constant")
 OLD_LOGPS = ("recompute", "sampler")
@@ -219,7 +220,8 @@ class RewardConfig:
     function: str = ""  # "module:name" of a reward fn(prompt, completion, meta) -> float
     model_path: str = ""  # a saved reward model (espo.rewards.model_rewards) scoring rollouts
     model_mode: str = "adjusted"  # how its scores become rewards: naive | adjusted | judge
-    model_dead_zone: float = 0.75  # RM score gaps below it are ties (adjusted, judge)
+    # RM score gaps below it are ties (adjusted, judge)
+    model_dead_zone: float = reward_model.DEFAULT_DEAD_ZONE
 
     def __post_init__(self):
         frac = self.overlong_cache_fraction
