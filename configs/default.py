@@ -116,7 +116,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.train.ppo_epochs = 1  # passes over each batch (verl: ppo_epochs, TRL: num_iterations)
     c.train.mini_batch_size = 0  # rows per optimiser update; 0 = the whole batch (one update)
     c.train.micro_batch_size = 64  # rows per forward/backward (exact accumulation)
-    c.train.packing = False  # pack whole sequences into micro-batches, not padded rows
+    c.train.packing = True  # pack whole sequences into micro-batches, not padded rows
     c.train.max_tokens_per_micro_batch = 2048  # tokens per packed micro-batch (README bench)
     c.train.router_replay = True  # replay the rollout's experts in old-log-prob and update forwards
     c.train.old_logps = "recompute"  # recompute (trainer params) | sampler (the rollout's)
@@ -142,6 +142,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.sft.batch_size = 64  # demonstrations per step
     c.sft.learning_rate = 2e-3  # AdamW peak (warmup + cosine)
     c.sft.warmup_steps = 20  # linear warmup
+    c.sft.packing = True  # demonstrations end to end in the rows (~half the positions computed)
 
     # ---- curriculum: espo.curriculum stages, in order (Compass-Thinker-7B) -----------------------
     c.curriculum = ml_collections.ConfigDict()

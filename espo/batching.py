@@ -189,17 +189,21 @@ def minibatches(
     epochs: int,
     key,
     packing_budget: int | None = None,
+    host_attention_mask: np.ndarray | None = None,
 ):
     """Yields `epochs` passes of mini-batches, each [num_micro, micro, ...] (device arrays), or
     with `packing_budget` a `PackedMiniBatch` (micro-batches formed by token budget; a sequence
-    longer than the budget is an error naming it and the budget).
+    longer than the budget is an error naming it and the budget). The packing is planned from
+    `host_attention_mask` (the batch's mask as a host array), read from the batch if None; a
+    multi-process run passes it, since no process can read a batch spanning every process.
 
     Each epoch draws a new row permutation from `key` (fold_in by epoch), as verl shuffles its
     mini-batches, when there is more than one mini-batch or more than one epoch.
     """
     n = batch.num_rows
     num_mini = n // mini_batch_size
-    host_mask = None if packing_budget is None else np.asarray(batch.attention_mask, bool)
+    host_mask = host_attention_mask if host_attention_mask is not None else batch.attention_mask
+    host_mask = None if packing_budget is None else np.asarray(host_mask, bool)
     for epoch in range(epochs):
         shuffled, perm = batch, np.arange(n)
         if num_mini > 1 or epochs > 1:

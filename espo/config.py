@@ -152,12 +152,14 @@ class SftConfig:
     batch_size: int = 64
     learning_rate: float = 1e-3
     warmup_steps: int = 0
+    packing: bool = False  # demonstrations packed end to end (espo.sft.packed_batch)
 
     def __post_init__(self):
         check(
             self,
             {
                 "steps": (_is_int(self.steps) and self.steps >= 0, "an int >= 0"),
+                "packing": (isinstance(self.packing, bool), "True or False"),
                 "batch_size": (_is_int(self.batch_size) and self.batch_size >= 1, "an int >= 1"),
                 "learning_rate": (_is_num(self.learning_rate) and self.learning_rate > 0, "> 0"),
                 "warmup_steps": (_is_int(self.warmup_steps) and self.warmup_steps >= 0, ">= 0"),

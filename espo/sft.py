@@ -4,6 +4,12 @@ A policy trained from scratch never succeeds, so RL would see only zero-variance
 supervised phase on the demonstrations (the gold answers, in the format the verifier reads) gives
 it a non-zero pass rate. The loss is the mean NLL of the completion tokens (the prompt is
 context only), from `espo.train_step.token_logps` like every other log-prob.
+
+`packed_batch` lays the demonstrations end to end (`espo.packing`, first-fit decreasing) in
+rows as long as the padded batch's, the row count rounded up to a multiple of `ROW_MULTIPLE` (a
+few compiled shapes per run): each token sees only its own demonstration (segment ids,
+positions restarting at 0), so the loss equals the padded batch's while the forward computes
+~half the positions on the default task mix.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from espo import sampler, train_step
+from espo import packing, sampler, train_step
 from espo.model import config as config_lib
+
+ROW_MULTIPLE = 8  # packed SFT batches have a multiple of this many rows
 
 
 def demonstration_batch(
@@ -48,9 +56,29 @@ def demonstration_batch(
     )
 
 
+def packed_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`demonstration_batch`'s [B, T] rows packed into [R, T] rows (R a multiple of
+    ROW_MULTIPLE, at most B rounded up), with their `segment_ids` (the forward restarts the
+    positions at every segment)."""
+    t = batch["tokens"].shape[1]
+    first = packing.plan(batch["attention_mask"], budget=t)
+    rows = -(-first.num_rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    plan = packing.plan(batch["attention_mask"], budget=t, num_rows=rows)
+    return dict(
+        tokens=plan.pack(batch["tokens"]),
+        attention_mask=plan.segment_ids > 0,
+        loss_mask=plan.pack(batch["loss_mask"], fill=False),
+        segment_ids=plan.segment_ids,
+    )
+
+
 def nll(model: config_lib.ModelConfig, params: dict, batch: dict) -> jax.Array:
-    """Mean NLL over completion tokens (+ the router's aux loss)."""
-    tl = train_step.token_logps(model, params, batch["tokens"], batch["attention_mask"])
+    """Mean NLL over completion tokens (+ the router's aux loss); packed rows (`packed_batch`)
+    or padded rows (`demonstration_batch`)."""
+    tl = train_step.token_logps(
+        model, params, batch["tokens"], batch["attention_mask"],
+        segment_ids=batch.get("segment_ids"),
+    )  # fmt: skip
     m = batch["loss_mask"]
     loss = -jnp.where(m, tl.logps, 0.0).sum() / jnp.maximum(m.sum(), 1)
     return loss + tl.aux.total

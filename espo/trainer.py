@@ -384,9 +384,9 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                 )
             with timer.phase("old_logps"):
                 batch = batching.make_train_batch(fill.batch, num_rows=num_rows, pad_id=tok.pad_id)
-                layout = None
+                layout, host_mask = None, batch.attention_mask  # host arrays, every process
                 if sc.packing_budget:  # planned on the host: a bounded set of packed shapes
-                    layout = packing.layout(batch.attention_mask, budget=sc.packing_budget)
+                    layout = packing.layout(host_mask, budget=sc.packing_budget)
                 batch = sharding.put_batch(batch, mesh)
                 batch, prep = prepare(state.params, state.ref_params, batch, layout)
                 prep = jax.device_get(prep)
@@ -400,7 +400,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                 for mini in batching.minibatches(
                     batch, mini_batch_size=mini_rows, micro_batch_size=micro_rows,
                     epochs=s.train.ppo_epochs, key=jax.random.fold_in(key, 1),
-                    packing_budget=sc.packing_budget,
+                    packing_budget=sc.packing_budget, host_attention_mask=host_mask,
                 ):  # fmt: skip
                     state, m = update(state, mini)
                     step_metrics.append(m)
@@ -609,6 +609,8 @@ def _warm_start(s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progr
             [encode(e) for e in exs], [target(e) for e in exs],
             prompt_length=Tp, completion_length=width, pad_id=tok.pad_id,
         )  # fmt: skip
+        if s.sft.packing:
+            batch = sft.packed_batch(batch)
         params, opt_state, loss = sft.sft_step(model_cfg, params, opt_state, batch, optimizer=opt)
         bar.update(1)
         bar.set_postfix(nll=f"{float(loss):.3f}")
