@@ -41,9 +41,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "old_logps", "update", "checkpoint")
 
 
-def bench(spec: str, *, steps: int, warmup: int) -> dict[str, float]:
+def bench(spec: str, *, steps: int, warmup: int, overrides=()) -> dict[str, float]:
+    """`steps` RL steps of config `spec` ("file[:variant]"), `overrides` ((dotted key, value)
+    pairs, e.g. ("train.prompts_per_step", 32)) applied first; means over steps after warmup."""
     file, _, variant = spec.partition(":")
     cfg = testing.load_script(ROOT / "configs" / f"{file}.py").get_config(variant)
+    for key, value in overrides:
+        *parents, leaf = key.split(".")
+        section = functools.reduce(getattr, parents, cfg)
+        if leaf not in section:
+            raise KeyError(f"{spec}: no config key {key!r}")
+        setattr(section, leaf, value)
     cfg.train.steps = steps
     cfg.sft.steps = 0
     cfg.eval.every_steps = 0
@@ -58,6 +66,7 @@ def bench(spec: str, *, steps: int, warmup: int) -> dict[str, float]:
     rows = [r for r in rows if r["step"] < steps]  # the last step also evaluates and saves
     step_s = float(np.mean([r["perf/step_s"] for r in rows]))
     out = {"step_s": step_s, "tokens_per_s": float(np.mean([r["perf/tokens_per_s"] for r in rows]))}
+    out["rows"] = float(np.mean([r["train/rollouts"] for r in rows]))  # rollouts per step
     for phase in PHASES:
         out[f"{phase}_share"] = (
             float(np.mean([r.get(f"perf/{phase}_s", 0.0) for r in rows])) / step_s
