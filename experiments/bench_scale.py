@@ -6,11 +6,10 @@
 
 Sections (each point in its own process, so peak memory is that point's):
 - sampler: espo's sampler (float32, the default config's model as a Hugging Face checkpoint,
-  `bench_rollout.espo_worker`) at B in --batches with --new_tokens, then at B=64 (or the
-  smallest batch with --quick) for every length in --lengths: tokens/s, milliseconds per decode
-  step, peak RSS. A decode step reads the weights once for the whole batch, so tokens/s should
-  grow with B until the step turns compute-bound; a step's cost should grow only with the cache
-  it attends over, i.e. linearly in the generation length.
+  `bench_rollout.espo_worker`) at B in --batches with --new_tokens, then at B=--length_batch
+  for every length in --lengths: tokens/s, milliseconds per decode step, peak RSS. A decode
+  step reads the weights once for the whole batch, so tokens/s should grow with B until the
+  step turns compute-bound; a step's cost should grow only with the cache it attends over.
 - train: the real trainer's RL step (`bench_train.bench`: no warm start, compilation left out)
   at each train.prompts_per_step in --prompts: seconds per step, seconds per rollout row, and
   the phases. Linear in the batch once the batch fills the machine.
@@ -39,10 +38,13 @@ bench_rollout = testing.load_script(ROOT / "experiments" / "bench_rollout.py")
 bench_train = testing.load_script(ROOT / "experiments" / "bench_train.py")
 
 
-def sampler(*, variant: str, batches, lengths, new_tokens: int, prompt_len: int) -> list[dict]:
-    """espo sampler tokens/s, ms per decode step and peak RSS per (batch, new tokens) point."""
+def sampler(
+    *, variant: str, batches, lengths, new_tokens: int, prompt_len: int, length_batch: int
+) -> list[dict]:
+    """espo sampler tokens/s, ms per decode step and peak RSS per (batch, new tokens) point:
+    each batch at `new_tokens`, then each length at `length_batch` rows."""
     points = [(b, new_tokens) for b in batches]
-    points += [(min(64, max(batches)), n) for n in lengths if n != new_tokens]
+    points += [(length_batch, n) for n in lengths if (length_batch, n) not in points]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = bench_rollout._hf_checkpoint_like(tmp, bench_rollout._config_model(variant))
@@ -95,7 +97,8 @@ def main(argv=None) -> None:
     )
     p.add_argument("--only", default=",".join(SECTIONS), help=f"sections among {SECTIONS}")
     p.add_argument("--batches", default="16,64,256")
-    p.add_argument("--lengths", default="128,512,1024,4096", help="new tokens, at B=64")
+    p.add_argument("--lengths", default="128,512,1024,4096", help="new tokens, at --length_batch")
+    p.add_argument("--length_batch", type=int, default=16, help="rows of the length points")
     p.add_argument("--new_tokens", type=int, default=128, help="of the batch points")
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--prompts", default="4,8,16,32", help="train.prompts_per_step values")
@@ -114,7 +117,8 @@ def main(argv=None) -> None:
 
     if "sampler" in only:
         rows = sampler(variant=variant, batches=ints(args.batches), lengths=ints(args.lengths),
-                       new_tokens=args.new_tokens, prompt_len=args.prompt_len)  # fmt: skip
+                       new_tokens=args.new_tokens, prompt_len=args.prompt_len,
+                       length_batch=args.length_batch)  # fmt: skip
         print(f"\nsampler, configs/{spec} model, float32, {args.prompt_len}-token prompts")
         print("| B | new tokens | tokens/s | ms / decode step | peak RSS GB |")
         print("|---|---|---|---|---|")

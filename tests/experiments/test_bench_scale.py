@@ -14,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_sampler_and_train_sections_print_a_row_per_point(capsys):
     bench = testing.load_script(ROOT / "experiments" / "bench_scale.py")
     bench.main(["--quick", "--only", "sampler,train", "--batches", "4", "--lengths", "8,16",
-                "--new_tokens", "8", "--prompts", "2", "--steps", "4"])  # fmt: skip
+                "--length_batch", "4", "--new_tokens", "8", "--prompts", "2",
+                "--steps", "4"])  # fmt: skip
     out = capsys.readouterr().out
     rows = [ln.split(" | ") for ln in out.splitlines() if ln.startswith("| ") and "---" not in ln]
     sampler = [r for r in rows if len(r) == 5 and r[0] != "| B"]
