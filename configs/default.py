@@ -246,6 +246,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         c.rollout.update(max_chunk_size=16, reward_workers=1)
         c.train.update(steps=2, prompts_per_step=2, micro_batch_size=8, mini_batch_size=16)
         c.sft.update(steps=2, batch_size=4)
+        # Padded rows: fewer compiled shapes in the many short test runs (packing has its own
+        # tests: tests/test_packed_update.py, tests/test_sft.py).
+        c.train.packing = False
+        c.sft.packing = False
         c.curriculum.stages = (
             stage("short", max_difficulty=0.5, steps=1, group_size=4, max_new_tokens=16),
             stage("all", max_difficulty=1.0, steps=10**9, group_size=4, max_new_tokens=16),
