@@ -220,7 +220,7 @@ def layout(attention_mask: Bool[np.ndarray, "N T"], *, budget: int) -> Layout:
     per_micro = budget // row_length  # R
     first = plan(mask, budget=row_length)
     num_micro = bucket(-(-first.num_rows // per_micro), max_rows=-(-n // per_micro))
-    p = plan(mask, budget=row_length, num_rows=num_micro * per_micro)
+    p = dataclasses.replace(first, num_rows=num_micro * per_micro)  # padding rows added
     src_rows, src_cols = p.pack_index()
     rows, cols, valid = p.unpack_index(t)
     micro = lambda x: x.reshape(num_micro, per_micro, row_length)  # [M * R, L] -> [M, R, L]

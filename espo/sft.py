@@ -14,6 +14,7 @@ positions restarting at 0), so the loss equals the padded batch's while the forw
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -60,15 +61,15 @@ def packed_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """`demonstration_batch`'s [B, T] rows packed into [R, T] rows (R a multiple of
     ROW_MULTIPLE, at most B rounded up), with their `segment_ids` (the forward restarts the
     positions at every segment)."""
-    t = batch["tokens"].shape[1]
-    first = packing.plan(batch["attention_mask"], budget=t)
-    rows = -(-first.num_rows // ROW_MULTIPLE) * ROW_MULTIPLE
-    plan = packing.plan(batch["attention_mask"], budget=t, num_rows=rows)
+    plan = packing.plan(batch["attention_mask"], budget=batch["tokens"].shape[1])
+    rows = -(-plan.num_rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    plan = dataclasses.replace(plan, num_rows=rows)  # the same placement, padding rows added
+    segment_ids = plan.segment_ids
     return dict(
         tokens=plan.pack(batch["tokens"]),
-        attention_mask=plan.segment_ids > 0,
+        attention_mask=segment_ids > 0,
         loss_mask=plan.pack(batch["loss_mask"], fill=False),
-        segment_ids=plan.segment_ids,
+        segment_ids=segment_ids,
     )
 
 

@@ -37,6 +37,9 @@ import optax
 from espo import batching, metrics, testing, train_step, trainer
 from espo import config as config_lib
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import repro_lib  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "old_logps", "update", "checkpoint")
 
@@ -46,12 +49,7 @@ def bench(spec: str, *, steps: int, warmup: int, overrides=()) -> dict[str, floa
     pairs, e.g. ("train.prompts_per_step", 32)) applied first; means over steps after warmup."""
     file, _, variant = spec.partition(":")
     cfg = testing.load_script(ROOT / "configs" / f"{file}.py").get_config(variant)
-    for key, value in overrides:
-        *parents, leaf = key.split(".")
-        section = functools.reduce(getattr, parents, cfg)
-        if leaf not in section:
-            raise KeyError(f"{spec}: no config key {key!r}")
-        setattr(section, leaf, value)
+    repro_lib.set_fields(cfg, dict(overrides))
     cfg.train.steps = steps
     cfg.sft.steps = 0
     cfg.eval.every_steps = 0

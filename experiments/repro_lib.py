@@ -67,7 +67,15 @@ def config(preset: str, overrides: Mapping[str, object] = ()) -> ml_collections.
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is invalid; valid: {', '.join(PRESETS)}")
     cfg = config_module().get_config("tiny" if preset == "quick" else "")
-    for key, value in {**_PRESET_OVERRIDES[preset], **dict(overrides)}.items():
+    return set_fields(cfg, {**_PRESET_OVERRIDES[preset], **dict(overrides)})
+
+
+def set_fields(
+    cfg: ml_collections.ConfigDict, overrides: Mapping[str, object]
+) -> ml_collections.ConfigDict:
+    """`cfg` with each dotted field of `overrides` ({"loss.name": "grpo", ...}) set; a field the
+    config does not have is a KeyError naming it."""
+    for key, value in dict(overrides).items():
         section, _, field = key.rpartition(".")
         node = cfg
         for part in section.split(".") if section else ():

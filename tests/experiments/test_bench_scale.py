@@ -25,5 +25,5 @@ def test_sampler_section_prints_a_row_per_point(capsys):
 
 def test_an_unknown_override_names_the_key():
     bench = testing.load_script(ROOT / "experiments" / "bench_train.py")
-    with pytest.raises(KeyError, match="no config key 'train.prompts_per_stp'"):
+    with pytest.raises(KeyError, match="override 'train.prompts_per_stp': no such config field"):
         bench.bench("default:tiny", steps=4, warmup=2, overrides=[("train.prompts_per_stp", 2)])
