@@ -1,23 +1,27 @@
 """The device mesh and the shardings of the train step.
 
-Axes are ("data", "fsdp", "expert"). Batches are sharded along ("data", "fsdp") on their leading
-axis. Every parameter dimension has a logical name (`logical_axes`: "embed", "heads", "expert",
-"mlp", "vocab", ...) and `RULES` map logical names to mesh axes in the style of big_vision /
-maxtext rule lists (first match wins; None = replicated): by default the model dimension is
-sharded along "fsdp" (ZeRO-3 style: XLA gathers a weight where a matmul needs it) and the expert
-dimension along "expert". Optimizer state follows its parameters. Every jitted step states its
-shardings explicitly, so moving to more devices changes the mesh, not the step.
+Axes are ("data", "fsdp", "expert"). Batches are sharded along all three on their leading axis
+(as in maxtext: the expert axis splits the batch too, so attention and the dense layers are not
+computed twice, and the MoE blocks exchange tokens with an all-to-all,
+`moe.expert_parallel_dispatch`). Every parameter dimension has a logical name (`logical_axes`:
+"embed", "heads", "expert", "mlp", "vocab", ...) and `RULES` map logical names to mesh axes in
+the style of big_vision / maxtext rule lists (first match wins; None = replicated): by default
+the model dimension is sharded along "fsdp" (ZeRO-3 style: XLA gathers a weight where a matmul
+needs it) and the expert dimension along "expert". Optimizer state follows its parameters. Every
+jitted step states its shardings explicitly, so moving to more devices changes the mesh, not the
+step.
 """
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "expert")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical parameter axis -> mesh axis (or a tuple of them, or None: replicated).
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -128,7 +132,7 @@ def state_shardings(mesh: jax.sharding.Mesh, optimizer, abstract_state, rules=RU
 
 
 def batch_shards(mesh) -> int:
-    """How many shards a batch splits into: the size of (data x fsdp)."""
+    """How many shards a batch splits into: the size of (data x fsdp x expert)."""
     return _axis_size(mesh, BATCH_AXES)
 
 
@@ -138,11 +142,12 @@ def _batch_spec(leading: int = 0) -> P:
 
 
 def check_batch(mesh: jax.sharding.Mesh, num_rows: int, *, what: str = "the batch") -> None:
-    """`num_rows` must split evenly over the batch axes (data x fsdp)."""
+    """`num_rows` must split evenly over the batch axes (data x fsdp x expert)."""
     n = batch_shards(mesh)
     if num_rows % n:
         raise ValueError(
-            f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']} = {n} does not divide "
+            f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']} x expert="
+            f"{mesh.shape['expert']} = {n} does not divide "
             f"{what} ({num_rows} rows)"
         )
 
@@ -170,12 +175,12 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, *, leading: int = 0) -> NamedSharding:
-    """Shards axis `leading` of every leaf along (data, fsdp); other axes replicated."""
+    """Shards axis `leading` of every leaf along the batch axes; other axes replicated."""
     return NamedSharding(mesh, _batch_spec(leading))
 
 
 def constrain_rows(x, *, axis: int = 0):
-    """Inside a jitted function: `x` with its `axis` (rows) sharded along (data, fsdp) of the
+    """Inside a jitted function: `x` with its `axis` (rows) sharded along the batch axes of the
     context mesh (`jax.set_mesh`), so each data shard computes its own rows; unchanged without
     a context mesh or when the rows do not split evenly."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -193,5 +198,31 @@ def replicate(tree):
 
 
 def put_batch(tree, mesh: jax.sharding.Mesh, *, leading: int = 0):
-    """Host arrays -> device arrays sharded along the batch axis (the one host->device copy)."""
-    return jax.device_put(tree, batch_sharding(mesh, leading=leading))
+    """Host arrays -> device arrays sharded along the batch axis (the one host->device copy).
+
+    With several processes each one feeds only the rows its own devices hold
+    (`jax.make_array_from_process_local_data`), whatever else its host has."""
+    where = batch_sharding(mesh, leading=leading)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, where)
+
+    def one(x):
+        x = np.asarray(x)
+        rows = process_rows(where, x.shape, axis=leading)
+        local = x[(slice(None),) * leading + (rows,)]
+        return jax.make_array_from_process_local_data(where, local, x.shape)
+
+    return jax.tree.map(one, tree)
+
+
+def process_rows(where: NamedSharding, shape: tuple[int, ...], *, axis: int = 0) -> slice:
+    """The rows (along `axis`) of a global array of `shape` that this process's devices hold
+    under `where`: one contiguous block, as the batch axes lay the processes out."""
+    spans = {
+        (idx[axis].start or 0, shape[axis] if idx[axis].stop is None else idx[axis].stop)
+        for idx in where.addressable_devices_indices_map(shape).values()
+    }
+    start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+    if sum(b - a for a, b in spans) != stop - start:
+        raise ValueError(f"this process's rows of {shape} under {where.spec} are not contiguous")
+    return slice(start, stop)

@@ -301,6 +301,7 @@ class CountingModel:
             expert_load=jnp.zeros((self.num_layers, self.NUM_EXPERTS), jnp.float32),
             total=jnp.zeros((), jnp.float32),
             num_unrecorded_routes=jnp.zeros((), jnp.int32),
+            expert_parallel=jnp.zeros((2,), jnp.int32),
         )
         return transformer.ModelOutput(logits=logits, cache=cache, router=router, aux=aux)
 

@@ -423,6 +423,8 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
         out, aux = out_aux
         metrics = dict(out.metrics, numerator=out.numerator, denominator=out.denominator)
         metrics["router_aux_loss"] = aux.total
+        # Which expert-parallel path the MoE layers took (summed: layers x micro-batches).
+        metrics["num_moe_all_to_all"], metrics["num_moe_all_gather"] = aux.expert_parallel
         return grads, metrics
 
     def body(acc, mb):

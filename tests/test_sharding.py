@@ -89,9 +89,12 @@ def test_a_mesh_that_does_not_divide_the_experts_or_the_model_names_them():
 
 
 def test_a_mesh_that_does_not_divide_the_batch_names_the_axes():
-    with pytest.raises(ValueError, match=r"data=2 x fsdp=3 = 6 does not divide the batch \(8"):
+    # The expert axis splits the batch too (the dense layers are not computed twice).
+    with pytest.raises(ValueError, match=r"data=2 x fsdp=3 x expert=1 = 6 does not divide the b"):
         sharding.check_batch(_mesh(data=2, fsdp=3), 8)
-    sharding.check_batch(_mesh(data=2, fsdp=2, expert=3), 8)
+    with pytest.raises(ValueError, match=r"data=1 x fsdp=2 x expert=3 = 6 does not divide"):
+        sharding.check_batch(_mesh(fsdp=2, expert=3), 12 + 4)
+    sharding.check_batch(_mesh(data=2, fsdp=2, expert=2), 8)
 
 
 def test_an_unknown_parameter_is_an_error_naming_it():

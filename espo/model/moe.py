@@ -57,6 +57,7 @@ class MoeExtras:
     z_loss: Float[Array, " "]
     expert_load: Float[Array, " E"]  # fraction of (valid) assignments per expert
     unrecorded: Bool[Array, " M"]  # real tokens replayed with a -1 id (always False when FREE)
+    expert_parallel: Int[Array, " 2"]  # 1 at the path taken (EP_PATHS); 0s without an expert axis
 
 
 def unrecorded_routes(
@@ -391,6 +392,11 @@ def dispatch(
     return jnp.zeros_like(x).at[token_of_row].add(ys * row_weights[:, None])  # [M, D]
 
 
+EXPERT_PARALLEL = ("auto", "all_to_all", "all_gather")
+# MoeExtras.expert_parallel: which path a block took (one-hot counts summed over layers).
+EP_PATHS = ("all_to_all", "all_gather")
+
+
 def expert_parallel_dispatch(
     x: Float[Array, "M D"],
     ids: Int[Array, "M K"],
@@ -400,54 +406,135 @@ def expert_parallel_dispatch(
     w_down: Float[Array, "E F D"],
     *,
     impl: str = "auto",
-) -> Float[Array, "M D"]:
+    mode: str = "auto",
+    send_capacity: int | None = None,
+) -> tuple[Float[Array, "M D"], Int[Array, " 2"]]:
     """`dispatch`, with the experts split over the "expert" axis of the context mesh
-    (`jax.set_mesh`) when it has one of size > 1; plain `dispatch` otherwise.
+    (`jax.set_mesh`) when it has one of size > 1; plain `dispatch` otherwise. Returns the output
+    and which path ran: counts [all_to_all, all_gather] (zeros without an expert axis).
 
-    Inside a `jax.shard_map`, each device holds E / n experts and the tokens of its batch shard
-    (sharded along the mesh's batch axes "data" / "fsdp", replicated along "expert"): it runs
-    `dispatch` on the assignments to its own experts (the others become -1, which contribute
-    nothing) and a `psum` over "expert" adds the n partial outputs, exactly the sum over the K
-    chosen experts. (The all-gather form of expert parallelism: no all-to-all, as the tokens
-    are already on every expert shard; each device's expert FFN reads only its own weights.)
-    Replayed ids pass through unchanged. The capacity path sizes its groups for the ~1/n of
-    the assignments a device gets; larger groups take its exact overflow path.
+    Inside a `jax.shard_map` each device holds E / n experts and M / (data x fsdp x expert) of
+    the tokens (batches are sharded along every mesh axis, `sharding.BATCH_AXES`):
+      * "all_to_all" (`mode="auto"` when the tokens split evenly): each device sorts its
+        (token, expert) assignments by the expert shard that owns them into a send buffer of
+        `send_capacity` rows per destination, one `all_to_all` over "expert" delivers them, the
+        owner runs `dispatch` on its local experts, a second `all_to_all` returns the outputs
+        and the sender combines them with its routing weights. (`ragged_all_to_all` would avoid
+        the padding, but XLA:CPU does not implement it.) When any sender has more assignments
+        for one destination than fit (the psum'd check is the same on every device), the block
+        takes the all-gather path instead, so the result stays exact whatever the routing.
+      * "all_gather": every device gathers the tokens of its expert group, runs its own
+        experts on them (assignments to other shards become -1, which contribute nothing) and
+        a `psum_scatter` over "expert" sums the partial outputs and hands each device its rows.
+    Tokens that do not split evenly are replicated over the mesh and reduced by a `psum`
+    (counted as all_gather). Replayed ids pass through unchanged; both paths are exact and
+    differentiable, and `moe_reference` is what the tests hold them against.
     """
+    if mode not in EXPERT_PARALLEL:
+        raise ValueError(f"expert-parallel mode {mode!r}: expected one of {EXPERT_PARALLEL}")
     mesh = jax.sharding.get_abstract_mesh()
     n = 0 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
     if n <= 1:
-        return dispatch(x, ids, weights, w_gate, w_up, w_down, impl=impl)
+        y = dispatch(x, ids, weights, w_gate, w_up, w_down, impl=impl)
+        return y, jnp.zeros((len(EP_PATHS),), jnp.int32)
     E, (M, K) = w_gate.shape[0], ids.shape
     if E % n:
         raise ValueError(f"{E} experts do not split over the mesh's expert axis of size {n}")
-    shards = sharding.batch_shards(mesh)
-    sharded = M % shards == 0  # else the tokens are replicated: each device takes them all
+    shards = sharding.batch_shards(mesh)  # data x fsdp x expert
+    sharded = M % shards == 0
+    m = M // shards if sharded else M  # tokens per device (all of them when replicated)
+    local_experts = E // n
+    capacity = capacity_for(max(1, m * K), local_experts)  # each device's ~1/n of n*m*K
+    if send_capacity is None:
+        send_capacity = capacity_for(m * K, n)  # rows per destination: ~1.25x the mean
+    a2a = sharded and mode != "all_gather"
     tokens = jax.sharding.PartitionSpec(sharding.BATCH_AXES if sharded else None)
     experts = jax.sharding.PartitionSpec("expert")
-    capacity = capacity_for(max(1, (M // shards if sharded else M) * K // n), E // n)
-    weight_axes = sharding.BATCH_AXES if sharded else ()  # the axes the tokens vary over
+    ffn = functools.partial(dispatch, impl=impl, capacity=capacity)
 
     def local(x, ids, weights, w_gate, w_up, w_down):
-        # Tokens are the same on every expert shard and weights on every batch shard; what
-        # `dispatch` computes from both varies over all of them (its loops' carries must say
-        # so; the transposes of these casts sum the gradients over the shards).
+        # Weights are the same on every batch shard; what `dispatch` computes from them and the
+        # tokens varies over every axis (its loops' carries must say so; the transposes of
+        # these casts sum the gradients over the shards).
         vary = lambda t, axes: jax.lax.pcast(t, axes, to="varying") if axes else t
-        x, ids, weights = vary((x, ids, weights), ("expert",))
-        w_gate, w_up, w_down = vary((w_gate, w_up, w_down), weight_axes)
-        first = jax.lax.axis_index("expert") * (E // n)
-        mine = (ids >= first) & (ids < first + E // n)
-        y = dispatch(
-            x, jnp.where(mine, ids - first, -1), weights, w_gate, w_up, w_down,
-            impl=impl, capacity=capacity,
-        )  # fmt: skip
-        return jax.lax.psum(y, "expert")
+        w = (w_gate, w_up, w_down)
+        if not sharded:  # tokens the same everywhere, weights on every batch shard
+            x, ids, weights = vary((x, ids, weights), ("expert",))
+            return jax.lax.psum(_own_experts(ffn, x, ids, weights, w, n), "expert"), _path(1)
+        w = vary(w, tuple(a for a in sharding.BATCH_AXES if a != "expert"))
+        gathered = lambda: _all_gather_path(ffn, x, ids, weights, w, n)
+        if not a2a:
+            return gathered(), _path(1)
+        overflow = _send_overflow(ids, local_experts, n, send_capacity)
+        overflow = jax.lax.pmax(overflow, tuple(mesh.axis_names))  # the same on every device
+        return jax.lax.cond(
+            overflow > 0,
+            lambda: (gathered(), _path(1)),
+            lambda: (_all_to_all_path(ffn, x, ids, weights, w, n, send_capacity), _path(0)),
+        )
 
-    return jax.shard_map(
+    y, path = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, experts, experts, experts),
-        out_specs=tokens,
+        out_specs=(tokens, jax.sharding.PartitionSpec()),
     )(x, ids, weights, w_gate, w_up, w_down)
+    return y, path
+
+
+def _path(i: int) -> Int[Array, " 2"]:
+    return jnp.zeros((len(EP_PATHS),), jnp.int32).at[i].set(1)
+
+
+def _own_experts(ffn, x, ids, weights, w, n):
+    """The partial output of this device's E / n experts (others' assignments become -1)."""
+    local_experts = w[0].shape[0]
+    first = jax.lax.axis_index("expert") * local_experts
+    mine = (ids >= first) & (ids < first + local_experts)
+    return ffn(x, jnp.where(mine, ids - first, -1), weights, *w)
+
+
+def _all_gather_path(ffn, x, ids, weights, w, n):
+    gather = lambda t: jax.lax.all_gather(t, "expert", axis=0, tiled=True)  # [n*m, ...]
+    y = _own_experts(ffn, gather(x), gather(ids), gather(weights), w, n)
+    return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)  # [m, D]
+
+
+def _send_layout(ids, local_experts, n, send_capacity):
+    """Where each of this device's (token, expert) assignments goes: (slot in the [n * C] send
+    buffer, n * C for none or past capacity; its token; its expert on the destination; its
+    flat index), sorted by destination shard; plus the per-destination counts [n]."""
+    m, K = ids.shape
+    flat = ids.reshape(m * K)
+    dest = jnp.where(flat >= 0, flat // local_experts, n)  # n: no expert (unrecorded)
+    order = jnp.argsort(dest, stable=True)
+    counts = jnp.bincount(dest, length=n + 1)  # [n + 1]
+    starts = jnp.cumsum(counts) - counts
+    sorted_dest = dest[order]
+    pos = jnp.arange(m * K) - starts[sorted_dest]  # rank within its destination
+    fits = (sorted_dest < n) & (pos < send_capacity)
+    slot = jnp.where(fits, sorted_dest * send_capacity + pos, n * send_capacity)
+    return slot, order // K, flat[order] % local_experts, order, counts[:n]
+
+
+def _send_overflow(ids, local_experts, n, send_capacity):
+    """1 when some destination gets more than `send_capacity` of this device's assignments."""
+    counts = _send_layout(ids, local_experts, n, send_capacity)[-1]
+    return jnp.any(counts > send_capacity).astype(jnp.int32)
+
+
+def _all_to_all_path(ffn, x, ids, weights, w, n, send_capacity):
+    slot, token, local_id, order, _ = _send_layout(ids, w[0].shape[0], n, send_capacity)
+    rows = n * send_capacity
+    send_x = jnp.zeros((rows + 1, x.shape[-1]), x.dtype).at[slot].set(x[token])[:rows]
+    send_id = jnp.full((rows + 1,), -1, jnp.int32).at[slot].set(local_id)[:rows]
+    # Block j of the buffer goes to expert shard j; block i of what arrives came from shard i.
+    exchange = lambda t: jax.lax.all_to_all(t, "expert", 0, 0, tiled=True)
+    recv_x, recv_id = exchange(send_x), exchange(send_id)  # [n*C, D], [n*C]
+    y = ffn(recv_x, recv_id[:, None], jnp.ones((rows, 1), weights.dtype), *w)  # [n*C, D]
+    back = jnp.concatenate([exchange(y), jnp.zeros((1, y.shape[-1]), y.dtype)])  # [n*C + 1, D]
+    row_weights = weights.reshape(-1)[order].astype(y.dtype)
+    return jnp.zeros_like(x).at[token].add(back[slot] * row_weights[:, None])  # [m, D]
 
 
 def moe_reference(
@@ -542,7 +629,7 @@ class MoeBlock(nn.Module):
             replay_weights=flat(replay_weights),
             free_mask=unrecorded if self.replay_missing == "free" else None,
         )  # [M, K] each
-        out = expert_parallel_dispatch(
+        out, ep_path = expert_parallel_dispatch(
             xf,
             ids,
             weights.astype(dt),
@@ -565,5 +652,6 @@ class MoeBlock(nn.Module):
             z_loss=z_loss,
             expert_load=load,
             unrecorded=unrecorded,
+            expert_parallel=ep_path,
         )
         return out.reshape(B, T, D), extras

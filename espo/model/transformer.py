@@ -37,6 +37,9 @@ class ModelAux:
     # replay_missing="error" a caller that jits `forward` without `checkify` must check it is 0
     # (`check_replay` names the layer and positions); under "free" it counts the fallbacks.
     num_unrecorded_routes: Int[Array, " "]
+    # MoE layers by the expert-parallel path they took (`moe.EP_PATHS`: all_to_all, all_gather);
+    # zeros without an expert axis in the context mesh.
+    expert_parallel: Int[Array, " 2"]
 
 
 @flax.struct.dataclass
@@ -350,7 +353,7 @@ def forward(
 def _collect_routing(cfg, run_extras, *, batch, length):
     """Stack per-run `MoeExtras` into a RouterTrace [B, L, T, K] and layer-averaged losses."""
     K, E = cfg.top_k, cfg.num_experts
-    ids, weights, loads, lb, z, missing = [], [], [], [], [], []
+    ids, weights, loads, lb, z, missing, paths = [], [], [], [], [], [], []
     for is_moe, n, extras in run_extras:
         if is_moe:
             missing.append(extras.unrecorded.reshape(n, batch, length))
@@ -359,6 +362,7 @@ def _collect_routing(cfg, run_extras, *, batch, length):
             loads.append(extras.expert_load)
             lb.append(extras.load_balancing_loss)
             z.append(extras.z_loss)
+            paths.append(extras.expert_parallel.reshape(n, -1).sum(axis=0))
         else:
             missing.append(jnp.zeros((n, batch, length), bool))
             ids.append(jnp.full((n, batch, length, K), -1, jnp.int32))
@@ -377,6 +381,7 @@ def _collect_routing(cfg, run_extras, *, batch, length):
         expert_load=jnp.concatenate(loads, axis=0),
         total=cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss,
         num_unrecorded_routes=jnp.sum(unrecorded, dtype=jnp.int32),
+        expert_parallel=sum(paths, jnp.zeros((2,), jnp.int32)),
     )
     return trace, aux, unrecorded
 
