@@ -1,7 +1,8 @@
 """Shared pytest configuration.
 
 - float32 matmuls at full precision on every backend, so tolerances mean the same everywhere;
-- a persistent compilation cache, fresh per session (repeated tiny trainer runs compile once);
+- a persistent compilation cache, fresh per session, shared by the xdist workers and the
+  subprocesses (repeated tiny trainer runs compile once);
 - hypothesis: no deadline (jit compiles make the first example slow) and a bounded example count;
 - in CI (`CI=true`) a skipped test is a failure: a missing install or a wrongly guarded test
   shows up red instead of hiding as a skip. Locally skips stay skips.
@@ -19,9 +20,16 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 # A persistent compilation cache for this session: the many trainer runs of the tiny configs
 # (and other tests that build the same programs with new jit objects) compile once. Fresh per
-# session, so a run's timings never depend on an earlier one.
-_CACHE_DIR = tempfile.mkdtemp(prefix="espo_jax_cache_")
-atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+# session, so a run's timings never depend on an earlier one; one cache for the pytest-xdist
+# workers and the subprocesses the tests start (they inherit the environment). A half-written
+# entry read by another process is a warning and a recompile, never a wrong program.
+_ENV = "ESPO_TEST_JAX_CACHE"
+if not os.environ.get(_ENV):  # the first process of the session (the xdist controller) makes it
+    os.environ[_ENV] = tempfile.mkdtemp(prefix="espo_jax_cache_")
+    atexit.register(shutil.rmtree, os.environ[_ENV], ignore_errors=True)
+_CACHE_DIR = os.environ[_ENV]
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
