@@ -231,7 +231,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel shards of the batch; -1 = the devices the others leave
     c.mesh.fsdp = 1  # parameters / optimizer state sharded along the model dimension (ZeRO-3)
-    c.mesh.expert = 1  # expert parallelism: each device holds num_experts / expert experts
+    c.mesh.expert = 1  # expert parallelism: num_experts / expert experts per device (all-to-all)
 
     # ---- distributed: jax.distributed.initialize (README "Device mesh") ------------------------
     c.distributed = ml_collections.ConfigDict()

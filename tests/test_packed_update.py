@@ -95,7 +95,7 @@ def _assert_same_update(packed, padded):
     assert float(u_metrics["optim/grad_norm"]) > 1e-3
 
 
-# Every loss with replay, the correction on every other one (GSPO's sequence ratio with it in
+# The losses with replay, the correction on every other one (GSPO's sequence ratio with it in
 # test_packed_update_with_two_rows_per_micro_batch); routing freely, a token- and a
 # sequence-level loss.
 UPDATE_CASES = [
@@ -106,10 +106,10 @@ UPDATE_CASES = [
         id=f"{loss['name']}{loss.get('agg', '')}-{['plain', 'tis'][i % 2]}-replay",
     )
     for i, loss in enumerate(LOSS_CONFIGS)
-] + [
-    pytest.param(LOSS_CONFIGS[i], {}, False, id=f"{n}-plain-free")
-    for i, n in [(0, "grpo"), (5, "espo")]
-]
+    # (suite time) seq-mean-token-sum-norm differs from seq-mean-token-sum by a constant; CISPO
+    # aggregates per token like GRPO's token-mean.
+    if loss.get("agg") != "seq-mean-token-sum-norm" and loss["name"] != "cispo"
+] + [pytest.param(LOSS_CONFIGS[5], {}, False, id="espo-plain-free")]
 
 
 @pytest.mark.parametrize("loss, correction, replay", UPDATE_CASES)
