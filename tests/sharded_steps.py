@@ -103,7 +103,8 @@ def check_expert_parallel_paths(mesh) -> None:
     k = jax.random.split(jax.random.key(11), 6)
     w = [jax.random.normal(k[i], s) / 3 for i, s in enumerate([(E, D, F), (E, D, F), (E, F, D)])]
     cases = [  # (tokens, mode, send capacity, path taken: [all_to_all, all_gather])
-        (64, "auto", 64, [1, 0]), (64, "auto", 1, [0, 1]), (36, "auto", None, [0, 1]),
+        (64, "all_to_all", 64, [1, 0]), (64, "all_to_all", 1, [0, 1]),
+        (36, "all_to_all", None, [0, 1]),
     ]  # fmt: skip
     for M, mode, cap, path in cases:
         x = jax.random.normal(k[3], (M, D))

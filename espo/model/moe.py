@@ -380,11 +380,9 @@ def dispatch(
     impl = default_impl() if impl == "auto" else impl
     M, K = ids.shape
     E = w_gate.shape[0]
-    flat_ids = ids.reshape(M * K)  # [M*K]
-    sort_key = jnp.where(flat_ids >= 0, flat_ids, E)  # unrecorded (-1) assignments sort last
-    order = jnp.argsort(sort_key, stable=True)  # [M*K]
+    order, sizes = _group_order(ids.reshape(M * K), E)  # unrecorded (-1) assignments last
     token_of_row = order // K  # [M*K]
-    group_sizes = jnp.bincount(sort_key, length=E + 1)[:E].astype(jnp.int32)  # [E]
+    group_sizes = sizes[:E].astype(jnp.int32)  # [E]
     ys = expert_ffn(
         x[token_of_row], group_sizes, w_gate, w_up, w_down, impl=impl, capacity=capacity
     )  # [M*K, D]
@@ -392,7 +390,15 @@ def dispatch(
     return jnp.zeros_like(x).at[token_of_row].add(ys * row_weights[:, None])  # [M, D]
 
 
-EXPERT_PARALLEL = ("auto", "all_to_all", "all_gather")
+def _group_order(group: Int[Array, " A"], num_groups: int):
+    """(order [A]: the rows sorted by group, stable; sizes [num_groups + 1]) of rows in groups
+    0 .. num_groups - 1, a negative group counting as the last, num_groups (nowhere)."""
+    key = jnp.where(group >= 0, group, num_groups)
+    return jnp.argsort(key, stable=True), jnp.bincount(key, length=num_groups + 1)
+
+
+# all_to_all: with the exact all-gather path where a send buffer would overflow.
+EXPERT_PARALLEL = ("all_to_all", "all_gather")
 # MoeExtras.expert_parallel: which path a block took (one-hot counts summed over layers).
 EP_PATHS = ("all_to_all", "all_gather")
 
@@ -406,7 +412,7 @@ def expert_parallel_dispatch(
     w_down: Float[Array, "E F D"],
     *,
     impl: str = "auto",
-    mode: str = "auto",
+    mode: str = "all_to_all",
     send_capacity: int | None = None,
 ) -> tuple[Float[Array, "M D"], Int[Array, " 2"]]:
     """`dispatch`, with the experts split over the "expert" axis of the context mesh
@@ -415,13 +421,13 @@ def expert_parallel_dispatch(
 
     Inside a `jax.shard_map` each device holds E / n experts and M / (data x fsdp x expert) of
     the tokens (batches are sharded along every mesh axis, `sharding.BATCH_AXES`):
-      * "all_to_all" (`mode="auto"` when the tokens split evenly): each device sorts its
+      * "all_to_all" (the default `mode`, when the tokens split evenly): each device sorts its
         (token, expert) assignments by the expert shard that owns them into a send buffer of
         `send_capacity` rows per destination, one `all_to_all` over "expert" delivers them, the
         owner runs `dispatch` on its local experts, a second `all_to_all` returns the outputs
         and the sender combines them with its routing weights. (`ragged_all_to_all` would avoid
         the padding, but XLA:CPU does not implement it.) When any sender has more assignments
-        for one destination than fit (the psum'd check is the same on every device), the block
+        for one destination than fit (the pmax'd check is the same on every device), the block
         takes the all-gather path instead, so the result stays exact whatever the routing.
       * "all_gather": every device gathers the tokens of its expert group, runs its own
         experts on them (assignments to other shards become -1, which contribute nothing) and
@@ -447,7 +453,7 @@ def expert_parallel_dispatch(
     capacity = capacity_for(max(1, m * K), local_experts)  # each device's ~1/n of n*m*K
     if send_capacity is None:
         send_capacity = capacity_for(m * K, n)  # rows per destination: ~1.25x the mean
-    a2a = sharded and mode != "all_gather"
+    a2a = sharded and mode == "all_to_all"
     tokens = jax.sharding.PartitionSpec(sharding.BATCH_AXES if sharded else None)
     experts = jax.sharding.PartitionSpec("expert")
     ffn = functools.partial(dispatch, impl=impl, capacity=capacity)
@@ -460,17 +466,18 @@ def expert_parallel_dispatch(
         w = (w_gate, w_up, w_down)
         if not sharded:  # tokens the same everywhere, weights on every batch shard
             x, ids, weights = vary((x, ids, weights), ("expert",))
-            return jax.lax.psum(_own_experts(ffn, x, ids, weights, w, n), "expert"), _path(1)
+            return jax.lax.psum(_own_experts(ffn, x, ids, weights, w), "expert"), _path(1)
         w = vary(w, tuple(a for a in sharding.BATCH_AXES if a != "expert"))
-        gathered = lambda: _all_gather_path(ffn, x, ids, weights, w, n)
+        gathered = lambda: _all_gather_path(ffn, x, ids, weights, w)
         if not a2a:
             return gathered(), _path(1)
-        overflow = _send_overflow(ids, local_experts, n, send_capacity)
+        layout, counts = _send_layout(ids, local_experts, n, send_capacity)
+        overflow = jnp.any(counts > send_capacity).astype(jnp.int32)
         overflow = jax.lax.pmax(overflow, tuple(mesh.axis_names))  # the same on every device
         return jax.lax.cond(
             overflow > 0,
             lambda: (gathered(), _path(1)),
-            lambda: (_all_to_all_path(ffn, x, ids, weights, w, n, send_capacity), _path(0)),
+            lambda: (_all_to_all_path(ffn, x, weights, w, layout, n * send_capacity), _path(0)),
         )
 
     y, path = jax.shard_map(
@@ -486,7 +493,7 @@ def _path(i: int) -> Int[Array, " 2"]:
     return jnp.zeros((len(EP_PATHS),), jnp.int32).at[i].set(1)
 
 
-def _own_experts(ffn, x, ids, weights, w, n):
+def _own_experts(ffn, x, ids, weights, w):
     """The partial output of this device's E / n experts (others' assignments become -1)."""
     local_experts = w[0].shape[0]
     first = jax.lax.axis_index("expert") * local_experts
@@ -494,38 +501,32 @@ def _own_experts(ffn, x, ids, weights, w, n):
     return ffn(x, jnp.where(mine, ids - first, -1), weights, *w)
 
 
-def _all_gather_path(ffn, x, ids, weights, w, n):
+def _all_gather_path(ffn, x, ids, weights, w):
     gather = lambda t: jax.lax.all_gather(t, "expert", axis=0, tiled=True)  # [n*m, ...]
-    y = _own_experts(ffn, gather(x), gather(ids), gather(weights), w, n)
+    y = _own_experts(ffn, gather(x), gather(ids), gather(weights), w)
     return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)  # [m, D]
 
 
 def _send_layout(ids, local_experts, n, send_capacity):
-    """Where each of this device's (token, expert) assignments goes: (slot in the [n * C] send
-    buffer, n * C for none or past capacity; its token; its expert on the destination; its
-    flat index), sorted by destination shard; plus the per-destination counts [n]."""
+    """Where this device's (token, expert) assignments go, sorted by destination shard: (slot
+    in the [n * C] send buffer (n * C for none or past capacity), its token, its expert on the
+    destination, its flat index), and the per-destination counts [n]."""
     m, K = ids.shape
     flat = ids.reshape(m * K)
     dest = jnp.where(flat >= 0, flat // local_experts, n)  # n: no expert (unrecorded)
-    order = jnp.argsort(dest, stable=True)
-    counts = jnp.bincount(dest, length=n + 1)  # [n + 1]
+    order, counts = _group_order(dest, n)
     starts = jnp.cumsum(counts) - counts
-    sorted_dest = dest[order]
-    pos = jnp.arange(m * K) - starts[sorted_dest]  # rank within its destination
-    fits = (sorted_dest < n) & (pos < send_capacity)
-    slot = jnp.where(fits, sorted_dest * send_capacity + pos, n * send_capacity)
-    return slot, order // K, flat[order] % local_experts, order, counts[:n]
+    dest = dest[order]
+    pos = jnp.arange(m * K) - starts[dest]  # rank within its destination
+    fits = (dest < n) & (pos < send_capacity)
+    slot = jnp.where(fits, dest * send_capacity + pos, n * send_capacity)
+    return (slot, order // K, flat[order] % local_experts, order), counts[:n]
 
 
-def _send_overflow(ids, local_experts, n, send_capacity):
-    """1 when some destination gets more than `send_capacity` of this device's assignments."""
-    counts = _send_layout(ids, local_experts, n, send_capacity)[-1]
-    return jnp.any(counts > send_capacity).astype(jnp.int32)
-
-
-def _all_to_all_path(ffn, x, ids, weights, w, n, send_capacity):
-    slot, token, local_id, order, _ = _send_layout(ids, w[0].shape[0], n, send_capacity)
-    rows = n * send_capacity
+def _all_to_all_path(ffn, x, weights, w, layout, rows):
+    """Send each assignment in `layout` (`_send_layout`) to its expert's shard, run the local
+    experts there, bring the outputs back and combine them with the routing weights."""
+    slot, token, local_id, order = layout
     send_x = jnp.zeros((rows + 1, x.shape[-1]), x.dtype).at[slot].set(x[token])[:rows]
     send_id = jnp.full((rows + 1,), -1, jnp.int32).at[slot].set(local_id)[:rows]
     # Block j of the buffer goes to expert shard j; block i of what arrives came from shard i.
