@@ -30,11 +30,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = [sys.executable, str(ROOT / "experiments" / "run.py")]
 
 
-def _cache() -> dict:
-    """The session's persistent compilation cache (tests/conftest.py), for subprocess runs."""
-    return {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
-
-
 def _config(file: str = "default", **overrides):
     cfg = testing.load_script(ROOT / "configs" / f"{file}.py").get_config("tiny")
     for key, value in overrides.items():
@@ -221,8 +216,7 @@ def test_sigkill_mid_step_then_rerun_equals_uninterrupted(straight, tmp_path):
     shutil.rmtree(workdir / "checkpoints" / "3")
     cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(workdir),
                  "--config.train.steps=3"]  # fmt: skip
-    env = dict(os.environ, **_cache())
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     # The resumed process truncates metrics.jsonl to step 2, then works on step 3: kill it then.
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -234,7 +228,7 @@ def test_sigkill_mid_step_then_rerun_equals_uninterrupted(straight, tmp_path):
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
     proc.wait()
-    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     _assert_same_runs(_comparable(workdir), _comparable(straight[0]))
 
@@ -256,7 +250,7 @@ def test_two_processes_with_expert_parallelism_equal_one_process(straight, tmp_p
              f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
              "--config.distributed.num_processes=2"]  # fmt: skip
     cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(workdir), *flags]
-    env = dict(os.environ, **_cache(), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     procs = [
         subprocess.Popen(cmd + [f"--config.distributed.process_id={i}"], env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

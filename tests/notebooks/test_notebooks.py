@@ -12,7 +12,6 @@ import os
 import pathlib
 import sys
 
-import jax
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
@@ -47,13 +46,7 @@ def venv_kernel(tmp_path, monkeypatch):
         (blocked / name / "__init__.py").write_text(f"raise ModuleNotFoundError({message!r})\n")
     path = [str(blocked), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
-    # The kernel reads these at import: the session's cache directory (set by tests/conftest.py
-    # when the session starts, so read now, not at import of this module) and its threshold.
-    cache_dir = jax.config.jax_compilation_cache_dir
-    if cache_dir:
-        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", cache_dir)
-        min_time = jax.config.jax_persistent_cache_min_compile_time_secs
-        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(min_time))
+    # The kernel inherits the session's compilation cache from the environment (conftest.py).
     spec = jupyter_kernelspec.KernelSpecManager().get_kernel_spec(KERNEL_NAME)
     assert spec.argv[0] == sys.executable, (spec.argv, sys.executable)
     return KERNEL_NAME
