@@ -306,6 +306,13 @@ class CountingModel:
         return transformer.ModelOutput(logits=logits, cache=cache, router=router, aux=aux)
 
 
+def emulated_devices_env(count: int) -> dict[str, str]:
+    """This process's environment for a subprocess that emulates `count` CPU devices: the
+    device-count flag added to the XLA_FLAGS already set (the tests' compile options kept)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+    return dict(os.environ, XLA_FLAGS=flags.strip())
+
+
 def load_script(path: str | os.PathLike, *, name: str | None = None):
     """The Python file at `path` as a module (experiment scripts and configs are not in a
     package; pytest runs with --import-mode=importlib). Registered in `sys.modules` under

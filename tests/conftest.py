@@ -3,6 +3,9 @@
 - float32 matmuls at full precision on every backend, so tolerances mean the same everywhere;
 - a persistent compilation cache, fresh per session, shared by the xdist workers and the
   subprocesses (repeated tiny trainer runs compile once);
+- XLA's CPU backend at optimisation level 0: the tiny test programs spend most of their time
+  compiling, and LLVM's optimisation passes are a third of that (the 8-device sharded steps:
+  44 s -> 29 s for the single-device reference); subprocesses inherit it through XLA_FLAGS;
 - hypothesis: no deadline (jit compiles make the first example slow) and a bounded example count;
 - in CI (`CI=true`) a skipped test is a failure: a missing install or a wrongly guarded test
   shows up red instead of hiding as a skip. Locally skips stay skips.
@@ -18,6 +21,11 @@ import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Read when the CPU backend starts (the first computation), so setting it here is in time; tests
+# that start a subprocess with more flags append theirs (`testing.emulated_devices_env`).
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 # A persistent compilation cache for this session: the many trainer runs of the tiny configs
 # (and other tests that build the same programs with new jit objects) compile once. Fresh per
 # session, so a run's timings never depend on an earlier one; one cache for the pytest-xdist

@@ -4,7 +4,6 @@ emulated CPU devices (in a subprocess: the device count is fixed when jax starts
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -106,7 +105,7 @@ def test_an_unknown_parameter_is_an_error_naming_it():
 
 
 def test_sharded_steps_equal_the_single_device_run():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = testing.emulated_devices_env(8)
     # One mesh keeps the suite short: (2, 2, 2) shards all three axes at once;
     # `python tests/sharded_steps.py` alone runs all of MESHES (8,1,1), (2,2,2), (1,2,4), (2,1,4).
     r = subprocess.run(

@@ -9,7 +9,6 @@ that differs. Timings and compile counts are the only metrics left out of the co
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import signal
@@ -250,7 +249,7 @@ def test_two_processes_with_expert_parallelism_equal_one_process(straight, tmp_p
              f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
              "--config.distributed.num_processes=2"]  # fmt: skip
     cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(workdir), *flags]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = testing.emulated_devices_env(4)
     procs = [
         subprocess.Popen(cmd + [f"--config.distributed.process_id={i}"], env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -397,9 +397,9 @@ def _group_order(group: Int[Array, " A"], num_groups: int):
     return jnp.argsort(key, stable=True), jnp.bincount(key, length=num_groups + 1)
 
 
-# all_to_all: with the exact all-gather path where a send buffer would overflow.
-EXPERT_PARALLEL = ("all_to_all", "all_gather")
-# MoeExtras.expert_parallel: which path a block took (one-hot counts summed over layers).
+# The expert-parallel paths: the modes of `expert_parallel_dispatch` (all_to_all falls back to
+# the exact all_gather where a send buffer would overflow), in the order of the counts of the
+# path each block took (`MoeExtras.expert_parallel`, summed over layers).
 EP_PATHS = ("all_to_all", "all_gather")
 
 
@@ -436,8 +436,8 @@ def expert_parallel_dispatch(
     (counted as all_gather). Replayed ids pass through unchanged; both paths are exact and
     differentiable, and `moe_reference` is what the tests hold them against.
     """
-    if mode not in EXPERT_PARALLEL:
-        raise ValueError(f"expert-parallel mode {mode!r}: expected one of {EXPERT_PARALLEL}")
+    if mode not in EP_PATHS:
+        raise ValueError(f"expert-parallel mode {mode!r}: expected one of {EP_PATHS}")
     mesh = jax.sharding.get_abstract_mesh()
     n = 0 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
     if n <= 1:
