@@ -78,6 +78,12 @@ def test_exact_rollout_continuations_rewards_and_trace(reward_pool):
     tokens, mask = out.training_inputs()
     np.testing.assert_array_equal(out.router.expert_ids[:, 0, :, 0], np.where(mask, tokens % 3, -1))
     np.testing.assert_allclose(out.logps[out.mask], 0.0, atol=1e-6)
+    # The sampler's dtypes, kept through the host buffers (a float64 / int64 buffer would
+    # double the host copy and hand the update other dtypes than the sampler's).
+    dtypes = dict(tokens=np.int32, lengths=np.int32, prompt_tokens=np.int32, logps=np.float32,
+                  entropies=np.float32)  # fmt: skip
+    assert {k: getattr(out, k).dtype for k in dtypes} == dtypes
+    assert (out.router.expert_ids.dtype, out.router.expert_weights.dtype) == (np.int32, np.float32)
     # Metrics: the prompts ending in 20 and 10 run past max_new_tokens (43 and 53 > 40).
     truncated = [63 - lasts[p] > 40 for p in out.group_ids]
     assert metrics["rollout/truncated_fraction"] == pytest.approx(np.mean(truncated))
