@@ -136,12 +136,39 @@ def test_failed_rewards_are_flagged_and_counted():
     assert all(c.startswith("[") for c in result.completions)  # scored text kept for failed ones
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a fresh jit trace
+class _BatchRecorder:
+    """CountingModel that records the batch of every traced forward (prefill and decode)."""
+
+    inner: testing.CountingModel
+    batches: set = dataclasses.field(default_factory=set)
+
+    num_layers = property(lambda self: self.inner.num_layers)
+    top_k = property(lambda self: self.inner.top_k)
+
+    def init_cache(self, **kw):
+        return self.inner.init_cache(**kw)
+
+    def forward(self, params, tokens, **kw):
+        self.batches.add(tokens.shape[0])
+        return self.inner.forward(params, tokens, **kw)
+
+
+def test_chunks_decode_in_their_planned_batch(reward_pool):
+    """Every chunk decodes at its bucketed batch (its rows, then copies of its first row up to
+    the batch size): the compiled batches are the plan's, never above max_chunk_size."""
+    fake = _BatchRecorder(testing.CountingModel(vocab=V))
+    out = _run(reward_pool, fake, predictor=scheduling.LengthPredictor(default_length=4))
+    assert out.metrics["rollout/num_chunks"] > 5  # continuations too
+    assert fake.batches and max(fake.batches) <= CONFIG.max_chunk_size, fake.batches
+
+
 def test_fifo_and_length_aware_agree_and_waste_less(reward_pool):
     fake = testing.CountingModel(vocab=V)
     predictor = scheduling.LengthPredictor()
     _run(reward_pool, fake, predictor=predictor)  # one step of history
     aware = _run(reward_pool, fake, predictor=predictor)
-    fifo = _run(reward_pool, fake, schedule="fifo")
+    fifo = _run(reward_pool, fake, predictor=predictor, schedule="fifo")  # the same history
     # The same samples, whatever the order they were decoded in (log-probs ~1e-12 here).
     chex.assert_trees_all_close(aware.rollout, fifo.rollout, atol=1e-6)
     assert aware.completions == fifo.completions
