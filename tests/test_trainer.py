@@ -184,10 +184,9 @@ def test_resume_equals_uninterrupted(straight, tmp_path):
     _assert_same_runs(_comparable(tmp_path / "resumed"), _comparable(straight[0]))
 
 
-# Resample with carry-over; oversampling x16 so that the tiny (nearly random) policy, which
-# finds ~1 informative group in 8, leaves groups over for later steps.
-# Oversampled resampling at temperature 1 (more groups with a wrong sample than at the default
-# 0.6): step 2 has informative groups left over for step 3.
+# Resample with carry-over; oversampling x16, at temperature 1 (more groups with a wrong sample
+# than at the default 0.6), so that the tiny (nearly random) policy, which finds ~1 informative
+# group in 8, leaves groups over for later steps.
 CARRY_OVER = dict(zve__mode="resample", zve__max_carry_over_steps=2, zve__oversample=16.0,
                   zve__max_oversample=16.0, rollout__temperature=1.0)  # fmt: skip
 
