@@ -99,6 +99,23 @@ def test_a_model_without_the_protocol_is_refused():
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("num_samples", "lengths", "message"),
+    [
+        (0, [2, 3], "num_samples=0 is invalid: an int >= 1"),
+        (2.0, [2, 3], "num_samples=2.0 is invalid: an int >= 1"),
+        (1, [2, 0], "prompt_lengths must be >= 1, got min 0"),
+    ],
+)
+def test_sample_names_a_bad_num_samples_or_an_empty_prompt(num_samples, lengths, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sampler.sample(
+            testing.CountingModel(), None, np.ones((2, 3), int), np.array(lengths),
+            key=jax.random.key(0), num_samples=num_samples, max_new_tokens=4, stop_ids=(1,),
+            pad_id=0,
+        )  # fmt: skip
+
+
 def test_fake_cache_has_the_real_layout_and_aux():
     """The fake's KV cache is laid out as `layers.init_cache` lays out a real one ([L, B, N, S,
     Dh]) and holds each token id at its slot and row; its aux is a real ModelAux."""
