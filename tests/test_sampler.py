@@ -505,6 +505,20 @@ class ChooseTokensTest(chex.TestCase):
         np.testing.assert_allclose(entropies, -np.sum(probs * np.log(probs)), rtol=1e-5)
 
     @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("half", 0.5, [0]), ("three_quarters", 0.75, [0, 1]))
+    def test_a_nucleus_whose_mass_equals_top_p_stops_there(self, top_p, kept):
+        # p = (1/2, 1/4, 1/8, 1/8), exact in float32: masses before each token are 0, 1/2, 3/4,
+        # 7/8. The nucleus is the smallest set with mass >= top_p, so a mass of exactly top_p
+        # ends it: top_p 1/2 keeps token 0 alone, 3/4 tokens 0 and 1 (`<=` would take one more).
+        probs = np.array([0.5, 0.25, 0.125, 0.125])
+        logits = jnp.tile(jnp.log(jnp.asarray(probs, jnp.float32)), (20_000, 1))
+        choose = functools.partial(sampler.choose_tokens, temperature=1.0, top_p=top_p, top_k=0)
+        tokens = np.asarray(self.variant(choose)(logits, jax.random.key(5))[0])
+        assert set(np.unique(tokens)) == set(kept)
+        want = probs[kept] / probs[kept].sum()
+        np.testing.assert_allclose(np.bincount(tokens)[kept] / len(tokens), want, atol=0.015)
+
+    @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(("u_zero", 0.0, 1), ("u_one", 1.0, 2))
     def test_inverse_cdf_ends_land_on_kept_tokens(self, u, want):
         # p = (.1, .4, .3, .2), top_k 2 keeps tokens 1 and 2; cdf = (0, .4, .7, .7). u = 0 must
