@@ -92,7 +92,10 @@ def test_sampling_params_name_the_bad_field(field, value, message):
 
 
 def test_a_model_without_the_protocol_is_refused():
-    with pytest.raises(TypeError, match=r"is not a SamplingModel \(missing \['num_layers'"):
+    valid = "pass an espo.model.Model, a ModelConfig, or an object with num_layers, top_k, "
+    with pytest.raises(
+        TypeError, match=r"is not a SamplingModel \(missing \['num_layers'.*" + valid
+    ):
         sampler.sample(
             object(), None, np.ones((1, 2), int), np.array([2]), key=jax.random.key(0),
             num_samples=1, max_new_tokens=4, stop_ids=(1,), pad_id=0,
@@ -313,6 +316,34 @@ def test_soft_fake_sampled_continuation_keeps_prefix_logps_and_entropies():
         np.testing.assert_array_equal(after.entropies[:, :n], before.entropies[:, :n])
         _assert_matches_recompute(after, _fake_logits(SOFT), 1.0)
     np.testing.assert_array_equal(chunks[-1].lengths, 12)
+
+
+def test_a_continuation_keeps_a_prefix_it_would_not_have_sampled():
+    """A prefix drawn with another key: the continuation starts from it, not from its own
+    draws (the same key would redraw a prefix of its own and hide a dropped prefix)."""
+    prompts, mask = sampler.left_pad([[5, 3], [2], [1, 0]], [2, 1, 2], width=4, pad_id=PAD)
+    run = functools.partial(
+        sampler.sample_chunk, SOFT, None, jnp.asarray(prompts), jnp.asarray(mask),
+        num_samples=1, gen_len=16, sampling=_settings(temperature=1.0, stop_ids=(99,)),
+    )  # fmt: skip
+    first = run(jax.random.key(4), jnp.asarray(3))
+    prefix = sampler.Prefix(
+        tokens=first.tokens, lengths=first.lengths, logps=first.logps, entropies=first.entropies
+    )
+    own = run(jax.random.key(3), jnp.asarray(7))
+    assert (np.asarray(own.tokens[:, :3]) != np.asarray(first.tokens[:, :3])).any()
+    cont = run(jax.random.key(3), jnp.asarray(7), prefix)
+    np.testing.assert_array_equal(cont.lengths, 7)
+    np.testing.assert_array_equal(cont.tokens[:, :3], first.tokens[:, :3])
+    np.testing.assert_array_equal(cont.logps[:, :3], first.logps[:, :3])
+    np.testing.assert_array_equal(cont.entropies[:, :3], first.entropies[:, :3])
+    _assert_matches_recompute(cont, _fake_logits(SOFT), 1.0)
+    with pytest.raises(ValueError, match=r"a prefix \(continuation\) needs num_samples=1, got 2"):
+        sampler.sample_chunk(
+            SOFT, None, jnp.asarray(prompts), jnp.asarray(mask), jax.random.key(3),
+            jnp.asarray(7), prefix, num_samples=2, gen_len=16,
+            sampling=_settings(temperature=1.0, stop_ids=(99,)),
+        )  # fmt: skip
 
 
 CFG = model.ModelConfig.tiny(vocab_size=64)
