@@ -78,8 +78,9 @@ def test_a_row_stops_at_any_of_the_stop_ids():
         ("stop_ids", (1, -1), "stop_ids=(1, -1) is invalid"),
         ("stop_ids", (1.0,), "stop_ids=(1.0,) is invalid"),
         ("pad_id", -1, "pad_id=-1 is invalid: a token id >= 0"),
-        ("max_new_tokens", 0, "max_new_tokens=0 is invalid"),
-        ("temperature", -0.5, "temperature=-0.5 is invalid"),
+        ("max_new_tokens", 0, "max_new_tokens=0 is invalid: >= 1"),
+        ("temperature", -0.5, "temperature=-0.5 is invalid: a float >= 0 (0: greedy)"),
+        ("top_p", 0.0, "top_p=0.0 is invalid: in (0, 1]"),
         ("top_k", -1, "top_k=-1 is invalid"),
     ],
 )
@@ -89,6 +90,17 @@ def test_sampling_params_name_the_bad_field(field, value, message):
         sampler.SamplingParams(**(good | {field: value}))
     # A list of ids is stored as a tuple (hashable: it is a jit static of the sampler).
     assert sampler.SamplingParams(**(good | {"stop_ids": [2, 1]})).stop_ids == (2, 1)
+    assert sampler.SamplingParams(**(good | {"max_new_tokens": 1})).max_new_tokens == 1
+
+
+def test_left_pad_right_aligns_each_row_and_refuses_a_missing_length():
+    # Row lengths 2, 0 (an empty row: all padding) and 1 of rows longer than that.
+    out, mask = sampler.left_pad([[5, 3, 1], [2], [7, 6]], [2, 0, 1], width=3, pad_id=9)
+    np.testing.assert_array_equal(out, [[9, 5, 3], [9, 9, 9], [9, 9, 7]])
+    np.testing.assert_array_equal(mask, [[0, 1, 1], [0, 0, 0], [0, 0, 1]])
+    assert out.dtype == np.int32 and mask.dtype == bool
+    with pytest.raises(ValueError, match="zip"):
+        sampler.left_pad([[5, 3], [2]], [2], width=3, pad_id=9)
 
 
 def test_a_model_without_the_protocol_is_refused():
