@@ -81,7 +81,8 @@ def test_a_row_stops_at_any_of_the_stop_ids():
         ("max_new_tokens", 0, "max_new_tokens=0 is invalid: >= 1"),
         ("temperature", -0.5, "temperature=-0.5 is invalid: a float >= 0 (0: greedy)"),
         ("top_p", 0.0, "top_p=0.0 is invalid: in (0, 1]"),
-        ("top_k", -1, "top_k=-1 is invalid"),
+        ("top_p", 1.5, "top_p=1.5 is invalid: in (0, 1]"),
+        ("top_k", -1, "top_k=-1 is invalid: an int >= 0 (0: no top-k)"),
     ],
 )
 def test_sampling_params_name_the_bad_field(field, value, message):
@@ -91,6 +92,7 @@ def test_sampling_params_name_the_bad_field(field, value, message):
     # A list of ids is stored as a tuple (hashable: it is a jit static of the sampler).
     assert sampler.SamplingParams(**(good | {"stop_ids": [2, 1]})).stop_ids == (2, 1)
     assert sampler.SamplingParams(**(good | {"max_new_tokens": 1})).max_new_tokens == 1
+    assert sampler.SamplingParams(**(good | {"stop_ids": (0,), "top_p": 1})).stop_ids == (0,)
 
 
 def test_left_pad_right_aligns_each_row_and_refuses_a_missing_length():
@@ -104,9 +106,12 @@ def test_left_pad_right_aligns_each_row_and_refuses_a_missing_length():
 
 
 def test_a_model_without_the_protocol_is_refused():
-    valid = "pass an espo.model.Model, a ModelConfig, or an object with num_layers, top_k, "
+    valid = (
+        "pass an espo.model.Model, a ModelConfig, or an object with num_layers, top_k, "
+        "forward(params, tokens, *, attention_mask, cache) and init_cache(*, batch, max_length)"
+    )
     with pytest.raises(
-        TypeError, match=r"is not a SamplingModel \(missing \['num_layers'.*" + valid
+        TypeError, match=r"is not a SamplingModel \(missing \['num_layers'.*" + re.escape(valid)
     ):
         sampler.sample(
             object(), None, np.ones((1, 2), int), np.array([2]), key=jax.random.key(0),
