@@ -93,6 +93,7 @@ def test_sampling_params_name_the_bad_field(field, value, message):
     assert sampler.SamplingParams(**(good | {"stop_ids": [2, 1]})).stop_ids == (2, 1)
     assert sampler.SamplingParams(**(good | {"max_new_tokens": 1})).max_new_tokens == 1
     assert sampler.SamplingParams(**(good | {"stop_ids": (0,), "top_p": 1})).stop_ids == (0,)
+    assert type(sampler.SamplingParams(**(good | {"pad_id": np.int64(3)})).pad_id) is int
 
 
 def test_left_pad_right_aligns_each_row_and_refuses_a_missing_length():
@@ -551,6 +552,23 @@ class ChooseTokensTest(chex.TestCase):
         # logps / entropies are those of the untruncated tempered distribution.
         np.testing.assert_allclose(logps, np.log(probs)[np.asarray(tokens)], rtol=1e-5)
         np.testing.assert_allclose(entropies, -np.sum(probs * np.log(probs)), rtol=1e-5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("greedy", 0.0), ("sampled", 0.7))
+    def test_each_row_gets_its_own_logp_and_entropy(self, temperature):
+        # Rows with different distributions (a tiled batch would hide a row mix-up).
+        logits = jax.random.normal(jax.random.key(2), (6, 5)) * 3.0
+        choose = functools.partial(
+            sampler.choose_tokens, temperature=temperature, top_p=1.0, top_k=0
+        )
+        tokens, logps, entropies = self.variant(choose)(logits, jax.random.key(8))
+        logp = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)  # [6, 5]
+        rows = np.arange(6)
+        np.testing.assert_allclose(logps, np.asarray(logp)[rows, np.asarray(tokens)], rtol=1e-5)
+        np.testing.assert_allclose(entropies, -(np.exp(logp) * logp).sum(-1), rtol=1e-5)
+        assert len(set(np.asarray(entropies).round(4))) == 6
+        if temperature == 0:
+            np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
 
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(("half", 0.5, [0]), ("three_quarters", 0.75, [0, 1]))
