@@ -273,3 +273,17 @@ def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, 
     assert not _uses_streamed(4, weights)
     for a, b in zip(jax.tree.leaves(streamed), jax.tree.leaves(run()), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_layout_fits_the_worst_case_padding():
+    # E = 8 groups of one row each with blocks of 8 (`_block_size(8, 8)`): every group pads to
+    # a full block, 64 slots, the bound R + E * (block - 1). One block fewer drops a group.
+    assert moe._block_size(E, E) == 8
+    k = jax.random.split(jax.random.key(4), 4)
+    x = jax.random.normal(k[0], (E, D))
+    w_gate, w_up = (jax.random.normal(k[i], (E, D, F)) / 4 for i in (1, 2))
+    w_down = jax.random.normal(k[3], (E, F, D)) / 4
+    got = moe._blocked_ffn(x, jnp.ones(E, jnp.int32), w_gate, w_up, w_down)
+    want = jnp.stack([moe._ffn(x[e], w_gate[e], w_up[e], w_down[e]) for e in range(E)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert (np.abs(np.asarray(want)).sum(axis=-1) > 0.1).all()  # a dropped row (zeros) shows
