@@ -277,12 +277,15 @@ def _continue(fake, prompts, mask, key, *, budgets, temperature, stop_id):
     )  # fmt: skip
     chunks = [run(jnp.asarray(budgets[0]))]
     for b in budgets[1:]:
-        prev = chunks[-1]
-        prefix = sampler.Prefix(
-            tokens=prev.tokens, lengths=prev.lengths, logps=prev.logps, entropies=prev.entropies
-        )
-        chunks.append(run(jnp.asarray(b), prefix))
+        chunks.append(run(jnp.asarray(b), _prefix_of(chunks[-1])))
     return run(jnp.asarray(budgets[-1])), chunks
+
+
+def _prefix_of(out: sampler.SampleOutput) -> sampler.Prefix:
+    """The whole of a chunk's output as the prefix its rows continue from."""
+    return sampler.Prefix(
+        tokens=out.tokens, lengths=out.lengths, logps=out.logps, entropies=out.entropies
+    )
 
 
 def test_soft_fake_continuing_greedy_in_chunks_equals_one_pass():
@@ -345,9 +348,7 @@ def test_a_continuation_keeps_a_prefix_it_would_not_have_sampled():
         num_samples=1, gen_len=16, sampling=_settings(temperature=1.0, stop_ids=(99,)),
     )  # fmt: skip
     first = run(jax.random.key(4), jnp.asarray(3))
-    prefix = sampler.Prefix(
-        tokens=first.tokens, lengths=first.lengths, logps=first.logps, entropies=first.entropies
-    )
+    prefix = _prefix_of(first)
     own = run(jax.random.key(3), jnp.asarray(7))
     assert (np.asarray(own.tokens[:, :3]) != np.asarray(first.tokens[:, :3])).any()
     cont = run(jax.random.key(3), jnp.asarray(7), prefix)
@@ -357,11 +358,7 @@ def test_a_continuation_keeps_a_prefix_it_would_not_have_sampled():
     np.testing.assert_array_equal(cont.entropies[:, :3], first.entropies[:, :3])
     _assert_matches_recompute(cont, _fake_logits(SOFT), 1.0)
     with pytest.raises(ValueError, match=r"a prefix \(continuation\) needs num_samples=1, got 2"):
-        sampler.sample_chunk(
-            SOFT, None, jnp.asarray(prompts), jnp.asarray(mask), jax.random.key(3),
-            jnp.asarray(7), prefix, num_samples=2, gen_len=16,
-            sampling=_settings(temperature=1.0, stop_ids=(99,)),
-        )  # fmt: skip
+        run(jax.random.key(3), jnp.asarray(7), prefix, num_samples=2)
 
 
 CFG = model.ModelConfig.tiny(vocab_size=64)

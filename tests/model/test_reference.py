@@ -196,3 +196,20 @@ def test_router_losses_of_a_padded_row_equal_the_unpadded_row():
     chex.assert_trees_all_close((got, got_parts), (want, want_parts), **TOL)
     chex.assert_trees_all_close(got_grad, want_grad, atol=1e-5, rtol=1e-4)
     assert float(jnp.linalg.norm(want_grad["blocks_0"]["moe"]["router"])) > 1e-3
+
+
+def test_moe_reference_is_the_per_token_sum_with_more_experts_than_width():
+    # `moe.moe_reference` (the oracle of the dispatch tests) with E = 8 experts on width 4
+    # (E > D), against a float64 loop over tokens and their k choices.
+    e, d, f, m = 8, 4, 6, 5
+    rng = np.random.default_rng(0)
+    x, wg, wu, wd = (rng.normal(size=s) for s in [(m, d), (e, d, f), (e, d, f), (e, f, d)])
+    ids = np.array([[7, 0], [5, 6], [1, 2], [3, 4], [6, 7]])
+    w = rng.uniform(0.1, 1.0, size=(m, 2))
+    want = np.zeros((m, d))
+    for i in range(m):
+        for j in range(2):
+            want[i] += w[i, j] * ref.swiglu(x[i], wg[ids[i, j]], wu[ids[i, j]], wd[ids[i, j]])
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    got = moe.moe_reference(f32(x), jnp.asarray(ids), f32(w), f32(wg), f32(wu), f32(wd))
+    np.testing.assert_allclose(got, want, **TOL)
