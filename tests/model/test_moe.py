@@ -147,10 +147,15 @@ def test_dispatch_gradient_keeps_no_per_block_weight_copies(weights, impl):
         assert {s[0] for s in stacks} == {1, E}, stacks  # 1: one expert's slice in the loop
 
 
-def test_auto_is_capacity_on_cpu_and_unknown_impls_are_refused(weights):
+def test_auto_is_capacity_on_cpu_ragged_elsewhere_and_unknown_impls_are_refused(
+    weights, monkeypatch
+):
     w_gate, w_up, w_down, x = weights
     ids, w = _routing(1)
-    assert jax.default_backend() != "cpu" or moe.default_impl() == "capacity"
+    for backend, want in (("cpu", "capacity"), ("gpu", "ragged"), ("tpu", "ragged")):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert moe.default_impl() == want, backend
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="impl='dense' is invalid"):
         moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl="dense")
 
