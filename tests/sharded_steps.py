@@ -119,7 +119,9 @@ def check_expert_parallel_paths(mesh) -> None:
         what = f"expert-parallel {mode} M={M} send capacity {cap}"
         chex.assert_trees_all_close(y, want, **TOL, custom_message=what)
         chex.assert_trees_all_close(dgot, dwant, **TOL, custom_message=what)
-        np.testing.assert_array_equal(taken, path, err_msg=what)
+        np.testing.assert_array_equal(  # int32 counts, as `aux.expert_parallel` declares
+            np.asarray(taken), np.array(path, np.int32), err_msg=what, strict=True
+        )
 
 
 def _with_no_path(fn, *args, **kwargs):
