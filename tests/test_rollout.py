@@ -90,12 +90,28 @@ def test_exact_rollout_continuations_rewards_and_trace(reward_pool):
     assert metrics["rollout/useful_tokens"] == out.lengths.sum()
     assert metrics["rollout/mean_length"] == pytest.approx(out.lengths.mean())
     assert metrics["reward/num_ok"] == len(out.lengths) and metrics["reward/retries"] == 0
+    # The timings are wall-clock, so only how they relate is checked: the call is decoding then
+    # waiting on rewards, and tokens/s is the real tokens over the decoding time.
+    total = metrics["rollout/generate_s"] + metrics["rollout/reward_wait_s"]
+    assert metrics["rollout/total_s"] == pytest.approx(total)
+    assert min(metrics["rollout/generate_s"], metrics["rollout/reward_wait_s"]) >= 0
+    tokens_per_s = out.lengths.sum() / metrics["rollout/generate_s"]
+    assert metrics["rollout/tokens_per_s"] == pytest.approx(tokens_per_s)
     # The predictor learnt each prompt's length under its id.
     np.testing.assert_allclose(
         short.predict([scheduling.Request(prompt_id=i, sample_index=0, prompt_length=1)
                        for i in IDS]),
         [min(63 - t, 40) for t in lasts],
     )  # fmt: skip
+
+
+def test_new_compiles_counts_the_sampler_compilations_of_the_call(reward_pool):
+    fake = testing.CountingModel(vocab=V)
+    before = sampler.compile_count()
+    first = _run(reward_pool, fake, max_chunk_size=3)  # a batch no other test here decodes
+    assert first.metrics["rollout/new_compiles"] == sampler.compile_count() - before > 0
+    again = _run(reward_pool, fake, max_chunk_size=3)  # the same shapes: nothing to compile
+    assert again.metrics["rollout/new_compiles"] == 0
 
 
 def test_host_detokenization_gives_the_same_rollout(reward_pool):
