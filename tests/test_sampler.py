@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from jax.sharding import PartitionSpec as P
 
-from espo import model, quant, sampler, scheduling, testing, train_step
+from espo import model, quant, sampler, scheduling, sharding, testing, train_step
 
 EOS, PAD = 5, 0
 
@@ -518,6 +519,46 @@ def test_continuing_from_a_prefix_equals_one_pass(params):
     np.testing.assert_array_equal(rest.router.expert_ids, whole.router.expert_ids)
     # Every array (gate weights included) within the module tolerance of a cached decode.
     chex.assert_trees_all_close(rest.replace(num_steps=whole.num_steps), whole, atol=1e-4)
+
+
+def _eqns_with_parent(jaxpr, primitive):
+    """(equation, the jaxpr holding it) for every `primitive` in `jaxpr` and its sub-jaxprs."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == primitive:
+            yield e, jaxpr
+        for sub in jax.tree.leaves(dict(e.params), is_leaf=lambda x: hasattr(x, "eqns")):
+            if hasattr(sub, "eqns"):  # a Jaxpr
+                yield from _eqns_with_parent(sub, primitive)
+            elif hasattr(sub, "jaxpr"):  # a ClosedJaxpr
+                yield from _eqns_with_parent(sub.jaxpr, primitive)
+
+
+def test_the_decode_loop_keeps_every_row_array_split_over_the_batch_axes(params):
+    # Layout, not values (a missing constraint changes no number): traced on an abstract
+    # 2-way data mesh, every carried array with a rows axis (R = 3 prompts x 2 samples = 6,
+    # no other dimension is 6) enters and leaves the decode loop constrained to rows on the
+    # batch axes, at its own rows axis (1 for the [L, R, ...] KV cache, 0 for the rest).
+    R, batch = 6, sharding.BATCH_AXES
+    run = functools.partial(
+        sampler.sample_chunk, MODEL, params, num_samples=2, gen_len=8,
+        sampling=_settings(temperature=1.0, stop_ids=(1,)),
+    )  # fmt: skip
+    prompts, mask = sampler.left_pad(PROMPTS.tolist(), LENGTHS.tolist(), width=9, pad_id=0)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 1, 1), sharding.AXES)):
+        jaxpr = jax.make_jaxpr(run)(prompts, mask, jax.random.key(0), jnp.asarray(8)).jaxpr
+    carried = lambda eqn_parent: len(eqn_parent[0].params["body_jaxpr"].jaxpr.outvars)
+    loop, parent = max(_eqns_with_parent(jaxpr, "while"), key=carried)  # the decode loop
+    body = loop.params["body_jaxpr"].jaxpr
+    carry_in = loop.invars[loop.params["cond_nconsts"] + loop.params["body_nconsts"] :]
+    for where, holder, carry in (("into", parent, carry_in), ("out of", body, body.outvars)):
+        made_by = {id(v): e for e in holder.eqns for v in e.outvars}
+        rows = [v for v in carry if R in v.aval.shape]
+        assert len(rows) == 11, (where, [v.aval.shape for v in rows])  # cache k, v, positions,
+        for v in rows:  # logits, tokens, logps, entropies, done, lengths, expert ids, weights
+            e = made_by.get(id(v))
+            assert e is not None and e.primitive.name == "sharding_constraint", (where, v.aval)
+            axis = v.aval.shape.index(R)
+            assert e.params["sharding"].spec == P(*[None] * axis, batch), (where, v.aval)
 
 
 class ChooseTokensTest(chex.TestCase):
