@@ -220,6 +220,19 @@ def test_router_losses_hand_example_with_padding():
     np.testing.assert_allclose(load, [1.0, 0.0])
 
 
+def test_router_losses_of_one_real_token_and_of_none():
+    # E=2, K=1, one real token with p = [1/4, 3/4] routed to expert 1, one padded row:
+    #   f = [0, 1], P = [1/4, 3/4] -> lb = 2 * 3/4 = 1.5; z = lse([0, ln 3])^2 = ln(4)^2.
+    # With no real token at all every loss and load is 0, not 0/0.
+    logits = jnp.array([[0.0, np.log(3.0)], [5.0, -5.0]])
+    ids = jnp.array([[1], [0]], jnp.int32)
+    lb, z, load = moe.router_losses(logits, ids, jnp.array([1.0, 0.0]))
+    np.testing.assert_allclose([lb, z], [1.5, np.log(4.0) ** 2], rtol=1e-6)
+    np.testing.assert_allclose(load, [0.0, 1.0])
+    none = moe.router_losses(logits, ids, jnp.zeros(2))
+    chex.assert_trees_all_equal(none, (0.0, 0.0, jnp.zeros(2)))
+
+
 @hypothesis.given(
     seed=st.integers(0, 2**16),
     num_pad=st.integers(1, 4),
