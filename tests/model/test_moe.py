@@ -193,6 +193,10 @@ def test_route_free_and_replay_semantics():
         replay_ids=jnp.array([[1, -1]]), replay_weights=jnp.array([[0.3, 0.9]]),
     )  # fmt: skip
     np.testing.assert_allclose(w, [[0.3, 0.0]])
+    # A replay mode without the ids to replay is refused, naming the mode (the model forward
+    # checks its `routing` first; this is the error of a direct caller).
+    with pytest.raises(ValueError, match=r"routing_mode=REPLAY_IDS needs `routing` \(a Rou"):
+        moe.route(logits, top_k=2, norm_topk_prob=True, mode=RoutingMode.REPLAY_IDS)
 
 
 def test_router_losses_balanced_router_scores_top_k():
