@@ -100,7 +100,7 @@ def check_expert_parallel_paths(mesh) -> None:
     device, and the path reported is the one taken."""
     from espo.model import moe
 
-    E, D, F, K = 8, 8, 12, 2
+    E, D, F, K = 8, 6, 12, 2  # D = 6: no other dimension (8 tokens a shard, 12, 36, 64)
     k = jax.random.split(jax.random.key(11), 6)
     w = [jax.random.normal(k[i], s) / 3 for i, s in enumerate([(E, D, F), (E, D, F), (E, F, D)])]
     cases = [  # (tokens, mode, send capacity, path taken: [all_to_all, all_gather])
