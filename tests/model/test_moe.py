@@ -1,5 +1,7 @@
 """MoE dispatch against the plain per-expert loop, and the routing modes of `route`."""
 
+import re
+
 import chex
 import hypothesis
 import jax
@@ -156,7 +158,13 @@ def test_auto_is_capacity_on_cpu_ragged_elsewhere_and_unknown_impls_are_refused(
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         assert moe.default_impl() == want, backend
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="impl='dense' is invalid"):
+    # No impl given is "auto": this backend's default path, the same numbers.
+    chex.assert_trees_all_equal(
+        moe.dispatch(x, ids, w, w_gate, w_up, w_down),
+        moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl=moe.default_impl()),
+    )
+    want = "dispatch impl='dense' is invalid: one of ('ragged', 'capacity', 'blocked')"
+    with pytest.raises(ValueError, match=re.escape(want)):
         moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl="dense")
 
 
