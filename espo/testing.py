@@ -1,5 +1,6 @@
 """Shared test fixtures: tiny random Hugging Face MoE checkpoints, a fake sampling model,
-reward functions for spawned workers, and `load_script` (experiment scripts by path).
+reward functions for spawned workers, `load_script` (experiment scripts by path) and
+`jaxpr_equations` (every equation of a traced program, for structure tests).
 
 Importing this module needs only espo; building Hugging Face models needs the `test` extras
 (torch, transformers), imported lazily. Nothing here touches the network.
@@ -304,6 +305,18 @@ class CountingModel:
             expert_parallel=jnp.zeros((2,), jnp.int32),
         )
         return transformer.ModelOutput(logits=logits, cache=cache, router=router, aux=aux)
+
+
+def jaxpr_equations(jaxpr):
+    """(equation, the jaxpr holding it) for every equation of `jaxpr` and, depth first, of its
+    sub-jaxprs (jit calls, loop bodies, conds, custom_vjp functions)."""
+    for eqn in jaxpr.eqns:
+        yield eqn, jaxpr
+        for p in eqn.params.values():
+            for j in p if isinstance(p, tuple | list) else (p,):
+                inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr's Jaxpr, or the Jaxpr itself
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_equations(inner)
 
 
 def emulated_devices_env(count: int) -> dict[str, str]:

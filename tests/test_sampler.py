@@ -521,18 +521,6 @@ def test_continuing_from_a_prefix_equals_one_pass(params):
     chex.assert_trees_all_close(rest.replace(num_steps=whole.num_steps), whole, atol=1e-4)
 
 
-def _eqns_with_parent(jaxpr, primitive):
-    """(equation, the jaxpr holding it) for every `primitive` in `jaxpr` and its sub-jaxprs."""
-    for e in jaxpr.eqns:
-        if e.primitive.name == primitive:
-            yield e, jaxpr
-        for sub in jax.tree.leaves(dict(e.params), is_leaf=lambda x: hasattr(x, "eqns")):
-            if hasattr(sub, "eqns"):  # a Jaxpr
-                yield from _eqns_with_parent(sub, primitive)
-            elif hasattr(sub, "jaxpr"):  # a ClosedJaxpr
-                yield from _eqns_with_parent(sub.jaxpr, primitive)
-
-
 def test_the_decode_loop_keeps_every_row_array_split_over_the_batch_axes(params):
     # Layout, not values (a missing constraint changes no number): traced on an abstract
     # 2-way data mesh, every carried array with a rows axis (R = 3 prompts x 2 samples = 6,
@@ -546,8 +534,9 @@ def test_the_decode_loop_keeps_every_row_array_split_over_the_batch_axes(params)
     prompts, mask = sampler.left_pad(PROMPTS.tolist(), LENGTHS.tolist(), width=9, pad_id=0)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 1, 1), sharding.AXES)):
         jaxpr = jax.make_jaxpr(run)(prompts, mask, jax.random.key(0), jnp.asarray(8)).jaxpr
-    carried = lambda eqn_parent: len(eqn_parent[0].params["body_jaxpr"].jaxpr.outvars)
-    loop, parent = max(_eqns_with_parent(jaxpr, "while"), key=carried)  # the decode loop
+    loops = [(e, at) for e, at in testing.jaxpr_equations(jaxpr) if e.primitive.name == "while"]
+    carried = lambda loop_at: len(loop_at[0].params["body_jaxpr"].jaxpr.outvars)
+    loop, parent = max(loops, key=carried)  # the decode loop carries the most arrays
     body = loop.params["body_jaxpr"].jaxpr
     carry_in = loop.invars[loop.params["cond_nconsts"] + loop.params["body_nconsts"] :]
     for where, holder, carry in (("into", parent, carry_in), ("out of", body, body.outvars)):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
+from espo import testing
 from espo.model import RoutingMode, moe
 
 E, D, F, K, M = 8, 16, 24, 2, 37
@@ -120,13 +121,7 @@ def test_capacity_dispatch_at_decode_shapes(weights, num_tokens):
 
 def _shapes_in(jaxpr):
     """Every output shape of every equation, sub-jaxprs (loops, custom_vjp) included."""
-    for eqn in jaxpr.eqns:
-        yield from (v.aval.shape for v in eqn.outvars)
-        for p in eqn.params.values():
-            for j in p if isinstance(p, tuple | list) else (p,):
-                inner = getattr(j, "jaxpr", j)
-                if hasattr(inner, "eqns"):
-                    yield from _shapes_in(inner)
+    return (v.aval.shape for eqn, _ in testing.jaxpr_equations(jaxpr) for v in eqn.outvars)
 
 
 @pytest.mark.parametrize("impl", ["capacity", "blocked"])
