@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 
 import chex
 import jax
@@ -97,29 +98,42 @@ def check_expert_parallel_paths(mesh) -> None:
     a generous one and the default ~1.25x the mean, where a row's slot must be its rank within
     its destination's block; all_to_all past it so the all-gather path runs instead; tokens
     that do not split and are replicated): output and gradient equal the plain loop on one
-    device, and the path reported is the one taken."""
+    device, and the path reported is the one taken. The bfloat16 cases keep bf16 in value and
+    gradient (no float32 buffer sent or scattered back) and equal the float32 loop on the same
+    rounded inputs to bf16's precision."""
     from espo.model import moe
 
     E, D, F, K = 8, 6, 12, 2  # D = 6: no other dimension (8 tokens a shard, 12, 36, 64)
     k = jax.random.split(jax.random.key(11), 6)
     w = [jax.random.normal(k[i], s) / 3 for i, s in enumerate([(E, D, F), (E, D, F), (E, F, D)])]
-    cases = [  # (tokens, mode, send capacity, path taken: [all_to_all, all_gather])
-        (64, "all_to_all", 64, [1, 0]), (64, "all_to_all", None, [1, 0]),
-        (64, "all_to_all", 1, [0, 1]), (36, "all_to_all", None, [0, 1]),
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    cases = [  # (tokens, mode, send capacity, path taken: [all_to_all, all_gather], dtype)
+        (64, "all_to_all", 64, [1, 0], f32), (64, "all_to_all", None, [1, 0], f32),
+        (64, "all_to_all", 1, [0, 1], f32), (36, "all_to_all", None, [0, 1], f32),
+        (64, "all_to_all", None, [1, 0], bf16), (64, "all_to_all", 1, [0, 1], bf16),
     ]  # fmt: skip
-    for M, mode, cap, path in cases:
-        x = jax.random.normal(k[3], (M, D))
+    for M, mode, cap, path, dtype in cases:
+        x = jax.random.normal(k[3], (M, D)).astype(dtype)
         ids = jax.random.randint(k[4], (M, K), -1, E)  # -1: unrecorded, contributes nothing
-        gate = jax.nn.softmax(jax.random.normal(k[5], (M, K)))
+        gate = jax.nn.softmax(jax.random.normal(k[5], (M, K))).astype(dtype)
+        wd = [a.astype(dtype) for a in w]
         ref = functools.partial(_with_no_path, functools.partial(moe.moe_reference, ids=ids))
         ep = functools.partial(moe.expert_parallel_dispatch, ids=ids, mode=mode, send_capacity=cap)
-        (want, _), dwant = _value_and_grad(ref, x, gate, w)
+        (want, _), dwant = _value_and_grad(
+            ref, *jax.tree.map(lambda a: a.astype(f32), (x, gate, wd))
+        )
         with jax.set_mesh(mesh):
-            placed = jax.device_put(w, jax.sharding.NamedSharding(mesh, P("expert")))
-            (y, taken), dgot = jax.jit(functools.partial(_value_and_grad, ep))(x, gate, placed)
-        what = f"expert-parallel {mode} M={M} send capacity {cap}"
-        chex.assert_trees_all_close(y, want, **TOL, custom_message=what)
-        chex.assert_trees_all_close(dgot, dwant, **TOL, custom_message=what)
+            placed = jax.device_put(wd, jax.sharding.NamedSharding(mesh, P("expert")))
+            with warnings.catch_warnings():  # a float32 update scattered into bf16 (an error
+                warnings.simplefilter("error", FutureWarning)  # in later JAX) fails here
+                (y, taken), dgot = jax.jit(functools.partial(_value_and_grad, ep))(x, gate, placed)
+        what = f"expert-parallel {mode} M={M} send capacity {cap} {jnp.dtype(dtype).name}"
+        got, expected = jax.tree.leaves((y, dgot)), jax.tree.leaves((want, dwant))
+        for a, b in zip(got, expected, strict=True):  # the output, then d x, d gate, d w_*
+            assert a.dtype == dtype, (what, a.dtype)
+            bf16_tol = dict(rtol=0.03, atol=0.03 * float(jnp.abs(b).max()))
+            tol = TOL if dtype == f32 else bf16_tol
+            chex.assert_trees_all_close(a.astype(f32), b, **tol, custom_message=what)
         np.testing.assert_array_equal(  # int32 counts, as `aux.expert_parallel` declares
             np.asarray(taken), np.array(path, np.int32), err_msg=what, strict=True
         )
@@ -134,7 +148,7 @@ def _value_and_grad(fn, x, gate, w):
 
     def loss(x, gate, w):
         y, path = fn(x, weights=gate, w_gate=w[0], w_up=w[1], w_down=w[2])
-        return jnp.sum(jnp.sin(y)), (y, path)
+        return jnp.sum(jnp.sin(y).astype(jnp.float32)), (y, path)
 
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, gate, w)
     return out, grads

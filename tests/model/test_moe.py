@@ -103,6 +103,41 @@ def test_capacity_dispatch_and_gradients_at_any_capacity(weights, capacity, rout
     _assert_gradients_match_reference(x, ids, w, w_gate, w_up, w_down, **kw)
 
 
+# bfloat16 models (`ModelConfig(dtype="bfloat16")`) dispatch bf16 activations and weights: each
+# path keeps that dtype in value and gradient (a stray float32 cast doubles the activation
+# memory, and a float32 cotangent from a custom VJP is an error or a silent upcast) and equals
+# the float32 loop on the same, bf16-rounded inputs to bf16's precision. Capacity 4 takes the
+# streamed CPU matmul and its overflow loop, 24 the batched GEMM with a little overflow. A
+# float32 value scattered into the bf16 output is JAX's FutureWarning (an error in later JAX).
+@pytest.mark.filterwarnings("error::FutureWarning")
+@pytest.mark.parametrize(
+    "kw",
+    [dict(impl="capacity", capacity=4), dict(impl="capacity", capacity=24)]
+    + [dict(impl=i) for i in IMPLS if i != "capacity"],  # fmt: skip
+    ids=str,
+)
+def test_bfloat16_dispatch_keeps_its_dtype_and_the_float32_values(weights, kw):
+    ids, w = _routing(5, unrecorded=3)
+    args = [a.astype(jnp.bfloat16) for a in (weights[3], w, *weights[:3])]
+    args.insert(1, ids)  # x, ids, weights, w_gate, w_up, w_down
+    grad_argnums = (0, 2, 3, 4, 5)
+
+    def run(fn, *a):
+        return jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a)).astype(jnp.float32)),
+                                  grad_argnums)(*a)  # fmt: skip
+
+    out = jax.jit(lambda *a: moe.dispatch(*a, **kw))(*args)
+    _, grads = jax.jit(lambda *a: run(lambda *b: moe.dispatch(*b, **kw), *a))(*args)
+    assert out.dtype == jnp.bfloat16
+    assert [g.dtype for g in grads] == [jnp.bfloat16] * 5
+    f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    want = moe.moe_reference(*f32)
+    _, want_grads = run(moe.moe_reference, *f32)
+    for got, ref in zip([out, *grads], [want, *want_grads], strict=True):
+        scale = float(jnp.max(jnp.abs(ref)))
+        np.testing.assert_allclose(got.astype(jnp.float32), ref, atol=0.03 * scale, rtol=0.03)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 2, 3])
 def test_capacity_dispatch_at_decode_shapes(weights, num_tokens):
     # Decode: fewer assignments than experts (M*K = 2..6 < E = 8, default capacity 4); at M=1
