@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from espo import testing
+from espo import sharding, testing
 from espo.model import RoutingMode, moe
 
 E, D, F, K, M = 8, 16, 24, 2, 37
@@ -196,6 +196,31 @@ def test_auto_is_capacity_on_cpu_ragged_elsewhere_and_unknown_impls_are_refused(
     want = "dispatch impl='dense' is invalid: one of ('ragged', 'capacity', 'blocked')"
     with pytest.raises(ValueError, match=re.escape(want)):
         moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl="dense")
+
+
+def test_expert_parallel_dispatch_off_an_expert_axis_is_dispatch_and_checks_its_inputs(weights):
+    """Without an "expert" axis of size > 1 on the context mesh (none, no such axis, size 1)
+    `expert_parallel_dispatch` is `dispatch`, with path counts [0, 0]; a mode it does not know
+    or experts that do not split over the axis are refused by name. (The expert-parallel paths
+    themselves run on 8 emulated devices: `sharded_steps.check_expert_parallel_paths`.)"""
+    w_gate, w_up, w_down, x = weights
+    ids, w = _routing(6)
+    args = (x, ids, w, w_gate, w_up, w_down)
+    want = jax.jit(moe.dispatch)(*args)
+    meshes = [None, ("data",), ("data", "fsdp", "expert")]  # the last: expert axis of size 1
+    for names in meshes:
+        mesh = jax.sharding.AbstractMesh((1,) * len(names or ()), names or ())
+        with jax.sharding.use_abstract_mesh(mesh):
+            y, path = jax.jit(moe.expert_parallel_dispatch)(*args)
+        np.testing.assert_array_equal(y, want, err_msg=str(names))
+        np.testing.assert_array_equal(path, np.zeros(2, np.int32), strict=True)
+    want = "expert-parallel mode 'ring': expected one of ('all_to_all', 'all_gather')"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        moe.expert_parallel_dispatch(*args, mode="ring")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1, 1, 3), sharding.AXES)):
+        want = "8 experts do not split over the mesh's expert axis of size 3"
+        with pytest.raises(ValueError, match=re.escape(want)):
+            jax.make_jaxpr(moe.expert_parallel_dispatch)(*args)
 
 
 def test_capacity_for_is_about_a_quarter_above_the_mean_group():
