@@ -216,7 +216,10 @@ def _check_inputs(
     empty = [p for p, tokens in enumerate(prompts) if len(tokens) == 0]
     if empty:
         raise ValueError(f"prompts {empty[:8]} have no tokens: every prompt needs >= 1 token")
-    sizes = [group_sizes] * len(prompts) if _is_int(group_sizes) else list(group_sizes)
+    try:
+        sizes = [group_sizes] * len(prompts) if _is_int(group_sizes) else list(group_sizes)
+    except TypeError:  # neither an int nor a sequence (a bool, a float): refused below
+        sizes = []
     if len(sizes) != len(prompts) or not all(_is_int(g) and g >= 1 for g in sizes):
         raise ValueError(
             f"group_sizes={group_sizes!r} is invalid: an int >= 1, or one int >= 1 per prompt "

@@ -6,7 +6,6 @@ and a `Rollout` that is arrays only (texts and metrics beside it in the `Rollout
 import dataclasses
 import functools
 import os
-import re
 import threading
 import time
 
@@ -225,15 +224,6 @@ def test_chunks_are_balanced_over_the_shards(reward_pool, monkeypatch):
         _run(reward_pool, fake, num_shards=0)
 
 
-def test_a_predictor_needs_stable_prompt_ids(reward_pool):
-    """Batch positions are not prompts: with history, prompt_ids=None would mix prompts."""
-    fake = testing.CountingModel(vocab=V)
-    with pytest.raises(ValueError, match="prompt_ids=None with a predictor"):
-        _run(reward_pool, fake, predictor=scheduling.LengthPredictor(), prompt_ids=None)
-    with pytest.raises(ValueError, match="prompt_ids has 3 ids for 8 prompts"):
-        _run(reward_pool, fake, prompt_ids=["a", "b", "c"])
-
-
 # ---------------------------------------------------------------- overlap, by order of events
 
 # The first sample to start creates <dir>/reward_started and returns only once <dir>/decoded
@@ -432,21 +422,74 @@ def test_logps_and_entropies_equal_a_recompute_on_continued_rows(params, reward_
     assert (out.logps[~m] == 0).all() and (out.entropies[~m] == 0).all()
 
 
-def test_bad_arguments(reward_pool):
+_BIG = sampler.SamplingParams(max_new_tokens=49, stop_ids=(EOS,), pad_id=0)
+_TEXTS = [f"p{i}" for i in range(8)]
+_INT = "an int >= 1"
+_SIZES = "is invalid: an int >= 1, or one int >= 1 per prompt (8 prompts)"
+BAD_ARGUMENTS = [  # (keywords of `_run`, the whole message)
+    (dict(sampling="greedy"), "RolloutConfig.sampling='greedy' is invalid: "
+     "an espo.sampler.SamplingParams"),
+    (dict(buckets=(8, 16)), "RolloutConfig.buckets=(8, 16) is invalid: "
+     "an espo.scheduling.LengthBuckets"),
+    (dict(max_chunk_size=0), f"RolloutConfig.max_chunk_size=0 is invalid: {_INT}"),
+    (dict(max_chunk_size=True), f"RolloutConfig.max_chunk_size=True is invalid: {_INT}"),
+    (dict(max_chunk_size=4.0), f"RolloutConfig.max_chunk_size=4.0 is invalid: {_INT}"),
+    (dict(schedule="lifo"), "RolloutConfig.schedule='lifo' is invalid: "
+     "one of ('length_aware', 'fifo')"),
+    (dict(num_shards=0), f"RolloutConfig.num_shards=0 is invalid: {_INT}"),
+    (dict(num_shards=False), f"RolloutConfig.num_shards=False is invalid: {_INT}"),
+    (dict(overlap_rewards=1), "RolloutConfig.overlap_rewards=1 is invalid: True or False"),
+    (dict(sampling=_BIG), "RolloutConfig.sampling.max_new_tokens=49 is invalid: <= the largest "
+     "generation bucket, buckets.generation_buckets=(8, 16, 32, 48)"),
+    (dict(config=None), "config=None is invalid: an espo.rollout.RolloutConfig"),
+    (dict(prompt_texts=_TEXTS[:7]), "prompts (8), prompt_texts (7) and metas (8) must have "
+     "the same length"),
+    (dict(metas=[{}] * 9), "prompts (8), prompt_texts (8) and metas (9) must have the same "
+     "length"),
+    (dict(prompts=[], prompt_texts=[], metas=[]), "prompts is empty: a rollout needs at "
+     "least one prompt"),
+    (dict(prompts=[[1]] * 2 + [[]] + [[2]] * 2 + [[]] * 3), "prompts [2, 5, 6, 7] have no "
+     "tokens: every prompt needs >= 1 token"),
+    (dict(prompts=[[]] * 9, prompt_texts=_TEXTS + ["p8"], metas=[{}] * 9, group_sizes=1),
+     "prompts [0, 1, 2, 3, 4, 5, 6, 7] have no tokens: every prompt needs >= 1 token"),
+    (dict(group_sizes=0), f"group_sizes=0 {_SIZES}"),
+    (dict(group_sizes=True), f"group_sizes=True {_SIZES}"),
+    (dict(group_sizes=2.0), f"group_sizes=2.0 {_SIZES}"),
+    (dict(group_sizes=[2] * 7), f"group_sizes=[2, 2, 2, 2, 2, 2, 2] {_SIZES}"),
+    (dict(group_sizes=[2] * 7 + [0]), f"group_sizes=[2, 2, 2, 2, 2, 2, 2, 0] {_SIZES}"),
+    (dict(group_sizes=[2] * 7 + [2.0]), f"group_sizes=[2, 2, 2, 2, 2, 2, 2, 2.0] {_SIZES}"),
+    (dict(predictor=scheduling.LengthPredictor(), prompt_ids=None), "prompt_ids=None with a "
+     "predictor: its history is keyed by prompt id, and batch positions would share history "
+     "between different prompts; pass the data pipeline's stable prompt ids (or "
+     "predictor=None for no history)"),
+    (dict(prompt_ids=IDS[:7]), "prompt_ids has 7 ids for 8 prompts"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kw, message", BAD_ARGUMENTS, ids=lambda x: str(x)[:40])
+def test_every_bad_argument_is_refused_before_decoding_with_its_whole_message(
+    reward_pool, kw, message
+):
+    """Each check of `RolloutConfig` and `generate_and_score`, with a value just past what it
+    accepts (0, a bool or a float for an int, one element too few or too many). The model is
+    not one: every check runs before the model is looked at."""
+    with pytest.raises(ValueError) as error:
+        _run(reward_pool, "not a model", **kw)
+    assert str(error.value) == message
+
+
+def test_arguments_at_the_edge_of_what_is_valid_are_accepted(reward_pool):
+    """max_new_tokens equal to the largest generation bucket, chunks of one row, numpy integers
+    for the counts, one int G for every prompt."""
+    assert dataclasses.replace(CONFIG, max_chunk_size=1, num_shards=1).max_chunk_size == 1
     fake = testing.CountingModel(vocab=V)
-    with pytest.raises(ValueError, match="RolloutConfig.schedule='lifo' is invalid"):
-        _run(reward_pool, fake, schedule="lifo")
-    with pytest.raises(ValueError, match="RolloutConfig.max_chunk_size=0 is invalid"):
-        _run(reward_pool, fake, max_chunk_size=0)
-    with pytest.raises(ValueError, match="SamplingParams.top_p=0 is invalid"):
-        sampler.SamplingParams(max_new_tokens=4, top_p=0, stop_ids=(1,), pad_id=0)
-    big = sampler.SamplingParams(max_new_tokens=100, stop_ids=(EOS,), pad_id=0)
-    with pytest.raises(ValueError, match=r"RolloutConfig.sampling.max_new_tokens=100 is invalid"):
-        _run(reward_pool, fake, sampling=big)
-    with pytest.raises(ValueError, match=re.escape("group_sizes=[2, 0] is invalid")):
-        _run(reward_pool, fake, group_sizes=[2, 0])
-    with pytest.raises(ValueError, match="config=None is invalid"):
-        _run(reward_pool, fake, config=None)
+    edge = sampler.SamplingParams(max_new_tokens=48, stop_ids=(EOS,), pad_id=0)
+    out = _run(
+        reward_pool, fake, sampling=edge, max_chunk_size=np.int64(8), num_shards=np.int32(1),
+        group_sizes=np.int64(2), overlap_rewards=False,
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.rollout.group_ids, np.repeat(np.arange(8), 2))
+    assert out.rollout.lengths.max() == 48  # prompt 7 counts from 10: 53 tokens, capped
 
 
 def test_rollouts_differing_in_text_share_one_compile(reward_pool):
