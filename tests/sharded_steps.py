@@ -137,6 +137,26 @@ def check_expert_parallel_paths(mesh) -> None:
         np.testing.assert_array_equal(  # int32 counts, as `aux.expert_parallel` declares
             np.asarray(taken), np.array(path, np.int32), err_msg=what, strict=True
         )
+        if cap is None and dtype == f32:
+            with jax.set_mesh(mesh):
+                jaxpr = jax.make_jaxpr(functools.partial(_value_and_grad, ep))(x, gate, placed)
+            _check_buffer_sizes(jaxpr, mesh, M=M, E=E, K=K, F=F)
+
+
+def _check_buffer_sizes(jaxpr, mesh, *, M, E, K, F) -> None:
+    """Buffers sized from the tokens a device holds (m = M / 8 when they split, all M when
+    replicated): each `all_to_all` sends `capacity_for(m K, n)` rows per destination, and the
+    local experts' batched matmul is [E / n, capacity_for(m K, E / n), F]. (Any capacity gives
+    the same values; a buffer sized from all M tokens would send 8x the rows.)"""
+    from espo.model import moe
+
+    n = mesh.shape["expert"]
+    m = M // 8 if M % 8 == 0 else M
+    eqns = [eqn for eqn, _ in testing.jaxpr_equations(jaxpr.jaxpr)]
+    sent = {v.aval.shape[0] for e in eqns if e.primitive.name == "all_to_all" for v in e.invars}
+    assert sent == ({n * moe.capacity_for(m * K, n)} if M % 8 == 0 else set()), (M, sent)
+    local = (E // n, moe.capacity_for(m * K, E // n), F)
+    assert any(v.aval.shape == local for e in eqns for v in e.outvars), (M, local)
 
 
 def _with_no_path(fn, *args, **kwargs):
