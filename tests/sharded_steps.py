@@ -107,18 +107,22 @@ def check_expert_parallel_paths(mesh) -> None:
     k = jax.random.split(jax.random.key(11), 6)
     w = [jax.random.normal(k[i], s) / 3 for i, s in enumerate([(E, D, F), (E, D, F), (E, F, D)])]
     f32, bf16 = jnp.float32, jnp.bfloat16
-    cases = [  # (tokens, mode, send capacity, path taken: [all_to_all, all_gather], dtype)
-        (64, "all_to_all", 64, [1, 0], f32), (64, "all_to_all", None, [1, 0], f32),
-        (64, "all_to_all", 1, [0, 1], f32), (36, "all_to_all", None, [0, 1], f32),
-        (64, "all_to_all", None, [1, 0], bf16), (64, "all_to_all", 1, [0, 1], bf16),
+    a2a, gather, auto = "all_to_all", "all_gather", "auto"
+    cases = [  # (tokens, mode, send capacity, path taken: [all_to_all, all_gather], dtype, impl)
+        (64, a2a, 64, [1, 0], f32, auto), (64, a2a, None, [1, 0], f32, auto),
+        (64, a2a, 1, [0, 1], f32, auto), (36, a2a, None, [0, 1], f32, auto),
+        (64, gather, None, [0, 1], f32, "ragged"),
+        (64, a2a, None, [1, 0], bf16, auto), (64, a2a, 1, [0, 1], bf16, auto),
     ]  # fmt: skip
-    for M, mode, cap, path, dtype in cases:
+    for M, mode, cap, path, dtype, impl in cases:
         x = jax.random.normal(k[3], (M, D)).astype(dtype)
         ids = jax.random.randint(k[4], (M, K), -1, E)  # -1: unrecorded, contributes nothing
         gate = jax.nn.softmax(jax.random.normal(k[5], (M, K))).astype(dtype)
         wd = [a.astype(dtype) for a in w]
         ref = functools.partial(_with_no_path, functools.partial(moe.moe_reference, ids=ids))
-        ep = functools.partial(moe.expert_parallel_dispatch, ids=ids, mode=mode, send_capacity=cap)
+        ep = functools.partial(
+            moe.expert_parallel_dispatch, ids=ids, mode=mode, send_capacity=cap, impl=impl
+        )
         (want, _), dwant = _value_and_grad(
             ref, *jax.tree.map(lambda a: a.astype(f32), (x, gate, wd))
         )
@@ -127,7 +131,7 @@ def check_expert_parallel_paths(mesh) -> None:
             with warnings.catch_warnings():  # a float32 update scattered into bf16 (an error
                 warnings.simplefilter("error", FutureWarning)  # in later JAX) fails here
                 (y, taken), dgot = jax.jit(functools.partial(_value_and_grad, ep))(x, gate, placed)
-        what = f"expert-parallel {mode} M={M} send capacity {cap} {jnp.dtype(dtype).name}"
+        what = f"expert-parallel {mode} M={M} send capacity {cap} {jnp.dtype(dtype).name} {impl}"
         got, expected = jax.tree.leaves((y, dgot)), jax.tree.leaves((want, dwant))
         for a, b in zip(got, expected, strict=True):  # the output, then d x, d gate, d w_*
             assert a.dtype == dtype, (what, a.dtype)
@@ -140,10 +144,14 @@ def check_expert_parallel_paths(mesh) -> None:
         if cap is None and dtype == f32:
             with jax.set_mesh(mesh):
                 jaxpr = jax.make_jaxpr(functools.partial(_value_and_grad, ep))(x, gate, placed)
-            _check_buffer_sizes(jaxpr, mesh, M=M, E=E, K=K, F=F)
+            eqns = [eqn for eqn, _ in testing.jaxpr_equations(jaxpr.jaxpr)]
+            if impl == "ragged":  # the impl asked for runs on every device
+                assert any(e.primitive.name.startswith("ragged_dot") for e in eqns), what
+            else:
+                _check_buffer_sizes(eqns, mesh, M=M, E=E, K=K, F=F)
 
 
-def _check_buffer_sizes(jaxpr, mesh, *, M, E, K, F) -> None:
+def _check_buffer_sizes(eqns, mesh, *, M, E, K, F) -> None:
     """Buffers sized from the tokens a device holds (m = M / 8 when they split, all M when
     replicated): each `all_to_all` sends `capacity_for(m K, n)` rows per destination, and the
     local experts' batched matmul is [E / n, capacity_for(m K, E / n), F]. (Any capacity gives
@@ -152,7 +160,6 @@ def _check_buffer_sizes(jaxpr, mesh, *, M, E, K, F) -> None:
 
     n = mesh.shape["expert"]
     m = M // 8 if M % 8 == 0 else M
-    eqns = [eqn for eqn, _ in testing.jaxpr_equations(jaxpr.jaxpr)]
     sent = {v.aval.shape[0] for e in eqns if e.primitive.name == "all_to_all" for v in e.invars}
     assert sent == ({n * moe.capacity_for(m * K, n)} if M % 8 == 0 else set()), (M, sent)
     local = (E // n, moe.capacity_for(m * K, E // n), F)
