@@ -346,7 +346,8 @@ def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, 
     other, in value and gradient."""
     if jax.default_backend() != "cpu":
         pytest.skip("the streamed path is CPU-only")
-    assert _uses_streamed(4, weights) and not _uses_streamed(moe.SMALL_GROUP_ROWS + 1, weights)
+    assert _uses_streamed(4, weights) and _uses_streamed(moe.SMALL_GROUP_ROWS, weights)
+    assert not _uses_streamed(moe.SMALL_GROUP_ROWS + 1, weights)
     w_gate, w_up, w_down, x = weights
     ids, w = _routing(2)
     args = (x, ids, w, w_gate, w_up, w_down)
