@@ -152,6 +152,11 @@ def check_batch(mesh: jax.sharding.Mesh, num_rows: int, *, what: str = "the batc
         )
 
 
+# Auto axes: XLA propagates the batch sharding through the model (no explicit-mode typing; JAX's
+# default for a new mesh is Explicit, under which e.g. `ragged_dot` has no sharding rule).
+_AUTO = jax.sharding.AxisType.Auto
+
+
 def make_mesh(*, data: int = -1, fsdp: int = 1, expert: int = 1) -> jax.sharding.Mesh:
     """A mesh over all local devices; one axis may be -1 (the rest)."""
     sizes = [data, fsdp, expert]
@@ -166,8 +171,13 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, expert: int = 1) -> jax.sharding
         raise ValueError(
             f"mesh sizes {dict(zip(AXES, sizes, strict=True))} do not multiply to {n} devices"
         )
-    # Auto axes: XLA propagates the batch sharding through the model (no explicit-mode typing).
-    return jax.make_mesh(tuple(sizes), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(_AUTO,) * len(AXES))
+
+
+def abstract_mesh(sizes: tuple[int, ...], names: tuple[str, ...] = AXES):
+    """A mesh of `make_mesh`'s kind without devices, to trace layouts on one device
+    (`jax.sharding.use_abstract_mesh`)."""
+    return jax.sharding.AbstractMesh(sizes, names, axis_types=(_AUTO,) * len(names))
 
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:

@@ -532,8 +532,9 @@ def test_the_decode_loop_keeps_every_row_array_split_over_the_batch_axes(params)
         sampling=_settings(temperature=1.0, stop_ids=(1,)),
     )  # fmt: skip
     prompts, mask = sampler.left_pad(PROMPTS.tolist(), LENGTHS.tolist(), width=9, pad_id=0)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 1, 1), sharding.AXES)):
-        jaxpr = jax.make_jaxpr(run)(prompts, mask, jax.random.key(0), jnp.asarray(8)).jaxpr
+    args = (prompts, mask, jax.random.key(0), jnp.asarray(8))  # concrete: made off the mesh
+    with jax.sharding.use_abstract_mesh(sharding.abstract_mesh((2, 1, 1))):
+        jaxpr = jax.make_jaxpr(run)(*args).jaxpr
     loops = [(e, at) for e, at in testing.jaxpr_equations(jaxpr) if e.primitive.name == "while"]
     carried = lambda loop_at: len(loop_at[0].params["body_jaxpr"].jaxpr.outvars)
     loop, parent = max(loops, key=carried)  # the decode loop carries the most arrays

@@ -209,7 +209,7 @@ def test_expert_parallel_dispatch_off_an_expert_axis_is_dispatch_and_checks_its_
     want = jax.jit(moe.dispatch)(*args)
     meshes = [None, ("data",), ("data", "fsdp", "expert")]  # the last: expert axis of size 1
     for names in meshes:
-        mesh = jax.sharding.AbstractMesh((1,) * len(names or ()), names or ())
+        mesh = sharding.abstract_mesh((1,) * len(names or ()), names or ())
         with jax.sharding.use_abstract_mesh(mesh):
             y, path = jax.jit(moe.expert_parallel_dispatch)(*args)
         np.testing.assert_array_equal(y, want, err_msg=str(names))
@@ -217,7 +217,7 @@ def test_expert_parallel_dispatch_off_an_expert_axis_is_dispatch_and_checks_its_
     want = "expert-parallel mode 'ring': expected one of ('all_to_all', 'all_gather')"
     with pytest.raises(ValueError, match=re.escape(want)):
         moe.expert_parallel_dispatch(*args, mode="ring")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1, 1, 3), sharding.AXES)):
+    with jax.sharding.use_abstract_mesh(sharding.abstract_mesh((1, 1, 3))):
         want = "8 experts do not split over the mesh's expert axis of size 3"
         with pytest.raises(ValueError, match=re.escape(want)):
             jax.make_jaxpr(moe.expert_parallel_dispatch)(*args)
