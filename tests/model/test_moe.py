@@ -361,6 +361,20 @@ def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, 
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_the_overflow_loop_is_built_only_when_a_group_can_exceed_the_capacity(weights):
+    # R = M*K rows: at a capacity of R no group can overflow and the static shortcut leaves the
+    # loop out; one row less and it is there (it runs no tile when nothing overflows).
+    w_gate, w_up, w_down, x = weights
+    ids, w = _routing(1)
+
+    def loops(capacity):
+        fn = lambda *a: moe.dispatch(*a, impl="capacity", capacity=capacity)  # noqa: E731
+        jaxpr = jax.make_jaxpr(fn)(x, ids, w, w_gate, w_up, w_down).jaxpr
+        return sum(e.primitive.name == "while" for e, _ in testing.jaxpr_equations(jaxpr))
+
+    assert (loops(M * K), loops(M * K - 1)) == (0, 1)
+
+
 def test_blocked_layout_fits_the_worst_case_padding():
     # E = 8 groups of one row each with blocks of 8 (`_block_size(8, 8)`): every group pads to
     # a full block, 64 slots, the bound R + E * (block - 1). One block fewer drops a group.
