@@ -1,5 +1,6 @@
 """MoE dispatch against the plain per-expert loop, and the routing modes of `route`."""
 
+import functools
 import re
 
 import chex
@@ -214,6 +215,9 @@ def test_expert_parallel_dispatch_off_an_expert_axis_is_dispatch_and_checks_its_
             y, path = jax.jit(moe.expert_parallel_dispatch)(*args)
         np.testing.assert_array_equal(y, want, err_msg=str(names))
         np.testing.assert_array_equal(path, np.zeros(2, np.int32), strict=True)
+    ragged = jax.make_jaxpr(functools.partial(moe.expert_parallel_dispatch, impl="ragged"))
+    eqns = testing.jaxpr_equations(ragged(*args).jaxpr)  # the impl asked for is the one run
+    assert any(e.primitive.name.startswith("ragged_dot") for e, _ in eqns)
     want = "expert-parallel mode 'ring': expected one of ('all_to_all', 'all_gather')"
     with pytest.raises(ValueError, match=re.escape(want)):
         moe.expert_parallel_dispatch(*args, mode="ring")
