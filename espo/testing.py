@@ -321,9 +321,10 @@ def jaxpr_equations(jaxpr):
 
 def emulated_devices_env(count: int) -> dict[str, str]:
     """This process's environment for a subprocess that emulates `count` CPU devices: the
-    device-count flag added to the XLA_FLAGS already set (the tests' compile options kept)."""
+    device-count flag added to the XLA_FLAGS already set (the tests' compile options kept), and
+    the CPU platform (on a GPU machine JAX would otherwise take its one GPU)."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
-    return dict(os.environ, XLA_FLAGS=flags.strip())
+    return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
 
 
 def load_script(path: str | os.PathLike, *, name: str | None = None):
