@@ -379,6 +379,15 @@ def test_the_overflow_loop_is_built_only_when_a_group_can_exceed_the_capacity(we
     assert (loops(M * K), loops(M * K - 1)) == (0, 1)
 
 
+def test_block_size_is_the_power_of_two_nearest_below_half_the_mean_group():
+    # (rows, experts, block): the mean group is rows // experts; the block doubles from 8 while
+    # twice it is <= half the mean, up to 128 (9 -> 8; 33 -> 16, the boundary; 40 -> 16;
+    # 64 -> 32; 1000 -> 128; fewer rows than experts -> 8).
+    cases = [(74, 8, 8), (8 * 33, 8, 16), (8 * 40, 8, 16), (8 * 64, 8, 32), (8000, 8, 128)]
+    for rows, experts, block in cases + [(3, 8, 8)]:
+        assert moe._block_size(rows, experts) == block, (rows, experts)
+
+
 def test_blocked_layout_fits_the_worst_case_padding():
     # E = 8 groups of one row each with blocks of 8 (`_block_size(8, 8)`): every group pads to
     # a full block, 64 slots, the bound R + E * (block - 1). One block fewer drops a group.
