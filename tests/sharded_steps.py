@@ -98,9 +98,11 @@ def check_expert_parallel_paths(mesh) -> None:
     a generous one and the default ~1.25x the mean, where a row's slot must be its rank within
     its destination's block; all_to_all past it so the all-gather path runs instead; tokens
     that do not split and are replicated): output and gradient equal the plain loop on one
-    device, and the path reported is the one taken. The bfloat16 cases keep bf16 in value and
-    gradient (no float32 buffer sent or scattered back) and equal the float32 loop on the same
-    rounded inputs to bf16's precision."""
+    device, and the path reported is the one taken. Also: a send capacity that fits the fullest
+    destination exactly stays all_to_all (one less falls back); mode "all_gather" with the
+    impl asked for; the buffers sized from the tokens a device holds (`_check_buffer_sizes`);
+    bfloat16 cases that keep bf16 in value and gradient (no float32 buffer sent or scattered
+    back) and equal the float32 loop on the same rounded inputs to bf16's precision."""
     from espo.model import moe
 
     E, D, F, K = 8, 6, 12, 2  # D = 6: no other dimension (8 tokens a shard, 12, 36, 64)
