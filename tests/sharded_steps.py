@@ -122,7 +122,7 @@ def check_expert_parallel_paths(mesh) -> None:
         ids = jax.random.randint(k[4], (M, K), -1, E)  # -1: unrecorded, contributes nothing
         gate = jax.nn.softmax(jax.random.normal(k[5], (M, K))).astype(dtype)
         if isinstance(cap, str):  # the most any shard sends one destination: fits exactly
-            cap = _most_sent(ids, shards=8, n=mesh.shape["expert"], E=E) - (cap == "full - 1")
+            cap = _most_sent(ids, mesh, E=E) - (cap == "full - 1")
         wd = [a.astype(dtype) for a in w]
         ref = functools.partial(_with_no_path, functools.partial(moe.moe_reference, ids=ids))
         ep = functools.partial(
@@ -156,24 +156,26 @@ def check_expert_parallel_paths(mesh) -> None:
                 _check_buffer_sizes(eqns, mesh, M=M, E=E, K=K, F=F)
 
 
-def _most_sent(ids, *, shards, n, E) -> int:
+def _most_sent(ids, mesh, *, E) -> int:
     """The most (token, expert) assignments one batch shard of `ids` sends one expert shard."""
-    blocks = np.asarray(ids).reshape(shards, -1)  # shard i holds tokens [i m, (i + 1) m)
+    n = mesh.shape["expert"]
+    blocks = np.asarray(ids).reshape(sharding.batch_shards(mesh), -1)  # [i m, (i + 1) m)
     dest = np.where(blocks >= 0, blocks // (E // n), n)  # n: unrecorded, sent nowhere
     return max(np.bincount(row, minlength=n + 1)[:n].max() for row in dest)
 
 
 def _check_buffer_sizes(eqns, mesh, *, M, E, K, F) -> None:
-    """Buffers sized from the tokens a device holds (m = M / 8 when they split, all M when
+    """Buffers sized from the tokens a device holds (m = M / shards when they split, all M when
     replicated): each `all_to_all` sends `capacity_for(m K, n)` rows per destination, and the
     local experts' batched matmul is [E / n, capacity_for(m K, E / n), F]. (Any capacity gives
     the same values; a buffer sized from all M tokens would send 8x the rows.)"""
     from espo.model import moe
 
-    n = mesh.shape["expert"]
-    m = M // 8 if M % 8 == 0 else M
+    n, shards = mesh.shape["expert"], sharding.batch_shards(mesh)
+    split = M % shards == 0
+    m = M // shards if split else M
     sent = {v.aval.shape[0] for e in eqns if e.primitive.name == "all_to_all" for v in e.invars}
-    assert sent == ({n * moe.capacity_for(m * K, n)} if M % 8 == 0 else set()), (M, sent)
+    assert sent == ({n * moe.capacity_for(m * K, n)} if split else set()), (M, sent)
     local = (E // n, moe.capacity_for(m * K, E // n), F)
     assert any(v.aval.shape == local for e in eqns for v in e.outvars), (M, local)
 

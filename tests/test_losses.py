@@ -523,14 +523,24 @@ BAD_CONFIGS = [  # (LossConfig keywords, the whole message): each value just pas
     (dict(name="grpo", rollout_is="seq"), "rollout_is='seq' is invalid: one of ('none', "
      "'token', 'sequence')"),
     (dict(name="grpo", rollout_is_cap=0.99), "rollout_is_cap=0.99 is invalid: a float >= 1"),
+    (dict(name="grpo", rollout_is_cap=0.5), "rollout_is_cap=0.5 is invalid: a float >= 1"),
+    (dict(name="grpo", rollout_is_cap=True), "rollout_is_cap=True is invalid: a float >= 1"),
     (dict(name="grpo", rollout_rs="tis"), "rollout_rs='tis' is invalid: one of ('none', "
      "'token', 'sequence', 'icepop')"),
     (dict(name="grpo", rollout_rs="token", rollout_rs_high=-0.5), "rollout_rs_high=-0.5 is "
      f"invalid: {_FLOAT0}"),
+    (dict(name="grpo", rollout_rs="token", rollout_rs_low=-1.0), "rollout_rs_low=-1.0 is "
+     f"invalid: {_FLOAT0}"),
     (dict(name="grpo", rollout_rs_low=0.5), "rollout_rs_low=0.5 is invalid: None while "
+     "rollout_rs='none' (set rollout_rs to reject)"),
+    (dict(name="grpo", rollout_rs_high=3.0), "rollout_rs_high=3.0 is invalid: None while "
      "rollout_rs='none' (set rollout_rs to reject)"),
     (dict(name="grpo", rollout_rs="token", rollout_rs_low=2.0), "rollout_rs_high=None is "
      "invalid: above rollout_rs_low (2.0)"),
+    (dict(name="grpo", rollout_rs="icepop", rollout_rs_low=6.0), "rollout_rs_high=None is "
+     "invalid: above rollout_rs_low (6.0)"),
+    (dict(name="grpo", rollout_rs="token", rollout_rs_low=1.0, rollout_rs_high=1.0),
+     "rollout_rs_high=1.0 is invalid: above rollout_rs_low (1.0)"),
 ]  # fmt: skip
 
 

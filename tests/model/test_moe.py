@@ -337,11 +337,16 @@ def test_router_losses_ignore_whatever_padding_holds(seed, num_pad, fill):
     np.testing.assert_array_equal(grad[:num_pad], 0.0)
 
 
-def _uses_streamed(capacity, weights):
+def _capacity_jaxpr(capacity, weights):
+    """The "capacity" dispatch at `capacity`, traced (routing of seed 1: M*K = 74 rows)."""
     w_gate, w_up, w_down, x = weights
     ids, w = _routing(1)
     fn = lambda *a: moe.dispatch(*a, impl="capacity", capacity=capacity)  # noqa: E731
-    return "_streamed" in str(jax.make_jaxpr(fn)(x, ids, w, w_gate, w_up, w_down))
+    return jax.make_jaxpr(fn)(x, ids, w, w_gate, w_up, w_down)
+
+
+def _uses_streamed(capacity, weights):
+    return "_streamed" in str(_capacity_jaxpr(capacity, weights))
 
 
 def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, monkeypatch):
@@ -368,13 +373,9 @@ def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, 
 def test_the_overflow_loop_is_built_only_when_a_group_can_exceed_the_capacity(weights):
     # R = M*K rows: at a capacity of R no group can overflow and the static shortcut leaves the
     # loop out; one row less and it is there (it runs no tile when nothing overflows).
-    w_gate, w_up, w_down, x = weights
-    ids, w = _routing(1)
-
     def loops(capacity):
-        fn = lambda *a: moe.dispatch(*a, impl="capacity", capacity=capacity)  # noqa: E731
-        jaxpr = jax.make_jaxpr(fn)(x, ids, w, w_gate, w_up, w_down).jaxpr
-        return sum(e.primitive.name == "while" for e, _ in testing.jaxpr_equations(jaxpr))
+        eqns = testing.jaxpr_equations(_capacity_jaxpr(capacity, weights).jaxpr)
+        return sum(e.primitive.name == "while" for e, _ in eqns)
 
     assert (loops(M * K), loops(M * K - 1)) == (0, 1)
 
@@ -384,7 +385,7 @@ def test_block_size_is_the_power_of_two_nearest_below_half_the_mean_group():
     # twice it is <= half the mean, up to 128 (9 -> 8; 33 -> 16, the boundary; 40 -> 16;
     # 64 -> 32; 1000 -> 128; fewer rows than experts -> 8).
     cases = [(74, 8, 8), (8 * 33, 8, 16), (8 * 40, 8, 16), (8 * 64, 8, 32), (8000, 8, 128)]
-    for rows, experts, block in cases + [(3, 8, 8)]:
+    for rows, experts, block in [*cases, (3, 8, 8)]:
         assert moe._block_size(rows, experts) == block, (rows, experts)
 
 
