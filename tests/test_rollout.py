@@ -538,3 +538,55 @@ def test_continued_rows_keep_their_prefix_so_lengths_follow_the_policy(reward_po
     assert result.metrics["rollout/reprefill_positions"] > 0  # rows were continued
     assert abs(np.mean(lengths <= 4) - 0.414) < 0.08, np.mean(lengths <= 4)
     assert abs(lengths.mean() - 7.89) < 1.1, lengths.mean()
+
+
+class _Clock:
+    """A `time` stand-in whose perf_counter advances by 1/64 s at every call (exact in binary)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def perf_counter(self):
+        self.calls += 1
+        return self.calls / 64
+
+
+def test_timings_add_up_every_hand_off_on_a_fake_clock(reward_pool, monkeypatch):
+    """On a clock that ticks once per reading, the timings are counts of readings: the call
+    reads t0, then two per hand-off (one per chunk), then t_generated and t_end, so
+    generate_s = (1 + 2 H) / 64, host_handoff_s = H / 64 (each hand-off's time added, not the
+    last one kept), reward_wait_s = 1 / 64 and tokens/s = tokens / generate_s, a generation
+    faster than one second included."""
+    clock = _Clock()
+    monkeypatch.setattr(rollout, "time", clock)
+    fake = testing.CountingModel(vocab=V)
+    out = _run(reward_pool, fake, predictor=scheduling.LengthPredictor(default_length=4))
+    m, hand_offs = out.metrics, out.metrics["rollout/num_chunks"]
+    assert hand_offs > 5 and clock.calls == 3 + 2 * hand_offs
+    assert m["rollout/generate_s"] == (1 + 2 * hand_offs) / 64 < 1
+    assert m["rollout/host_handoff_s"] == hand_offs / 64
+    assert m["rollout/reward_wait_s"] == 1 / 64
+    assert m["rollout/total_s"] == (2 + 2 * hand_offs) / 64
+    tokens = int(out.rollout.lengths.sum())
+    assert m["rollout/tokens_per_s"] == pytest.approx(tokens / m["rollout/generate_s"], rel=1e-12)
+
+
+def test_chunk_n_draws_from_fold_in_key_n_across_waves(reward_pool, monkeypatch):
+    """The documented key contract: the n-th chunk dispatched (continuation waves included)
+    samples with fold_in(key, n), n = 1, 2, ...; a recorded rollout can be replayed from it."""
+    keys = []
+    sample_chunk = sampler.sample_chunk
+
+    def spy(model, params, tokens, mask, key, *args, **kw):
+        keys.append(jax.random.key_data(key))
+        return sample_chunk(model, params, tokens, mask, key, *args, **kw)
+
+    monkeypatch.setattr(sampler, "sample_chunk", spy)
+    fake = testing.CountingModel(vocab=V)
+    out = _run(reward_pool, fake, predictor=scheduling.LengthPredictor(default_length=4))
+    n = int(out.metrics["rollout/num_chunks"])
+    assert len(keys) == n and out.metrics["rollout/reprefill_positions"] > 0
+    expected = [
+        jax.random.key_data(jax.random.fold_in(jax.random.key(0), i)) for i in range(1, n + 1)
+    ]
+    np.testing.assert_array_equal(np.stack(keys), np.stack(expected))
