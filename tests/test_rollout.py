@@ -127,11 +127,11 @@ def test_host_detokenization_gives_the_same_rollout(reward_pool):
         "detokenize=None needs a reward pool that detokenizes: RewardPool(reward_fn, "
         "detokenize=tokenizer.decode), or pass detokenize="
     )
-    with (
-        pool_lib.RewardPool(testing.length_reward, num_workers=1) as plain,
-        pytest.raises(ValueError, match=re.escape(want) + "$"),
-    ):
-        _run(plain, fake)
+    with pool_lib.RewardPool(testing.length_reward, num_workers=1) as plain:
+        with pytest.raises(ValueError, match=re.escape(want) + "$"):
+            _run(plain, fake)
+        # A pool without a detokenizer is fine when the host detokenizes.
+        assert _run(plain, fake, detokenize=str).completions == in_workers.completions
 
 
 # Raises for prompts whose meta asks for it.
