@@ -201,6 +201,10 @@ def test_aggregation_by_hand(agg, norm_length, num, den):
     _, _, out = run(cfg, zeros, old_logps=zeros, advantages=-token_losses, mask=mask)
     assert (float(out.numerator), float(out.denominator)) == pytest.approx((num, den))
     assert float(out.loss) == pytest.approx(num / den)
+    # A float mask selects where it is nonzero: its values weight nothing.
+    weights = jnp.asarray(mask * np.array([[0.5, 2.0, 3.0], [7.0, 0.25, 9.0], [4.0, 4.0, 4.0]]))
+    num_den = losses.aggregate(jnp.asarray(token_losses), weights, agg=agg, norm_length=norm_length)
+    assert tuple(map(float, num_den)) == pytest.approx((num, den))
     # Without norm_length, token-sum-norm divides by T: (6/3 + 9/3) = 5 over 2 sequences.
     num_den = losses.aggregate(
         jnp.asarray(token_losses), jnp.asarray(mask), agg="seq-mean-token-sum-norm"
