@@ -318,3 +318,23 @@ class HandTest(parameterized.TestCase):
         got = (m["grad_frac_group0"], m["clipped_frac_group0"])
         got += (m["grad_frac_group1"], m["clipped_frac_group1"])
         np.testing.assert_allclose(got, by_group, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        # Row 0 (A = 1, r = 1) moves, row 1 (A = 0) does not; entropies [2, 1.9] and [0.2, 0.1],
+        # top_frac 1/2, 2 groups. Per sequence, group 0 = the top token of each row: live 1/2 in
+        # both groups; over the batch, group 0 = the 2 highest = row 0: live 1, then 0.
+        ("sequence", "sequence", (0.5, 0.5)),
+        ("batch", "batch", (1.0, 0.0)),
+    )
+    def test_gradient_use_groups_follow_the_quantile_scope(self, scope, by_group):
+        _, _, m, _ = self.run_loss(
+            dict(name="grpo", vocab_size=16, top_frac=0.5, num_groups=2, quantile_scope=scope),
+            np.zeros((2, 2)),
+            old_logps=np.zeros((2, 2)),
+            advantages=[1.0, 0.0],
+            mask=np.ones((2, 2)),
+            entropies=[[2.0, 1.9], [0.2, 0.1]],
+        )
+        assert m["grad_token_frac"] == 0.5
+        np.testing.assert_allclose((m["grad_frac_group0"], m["grad_frac_group1"]), by_group)
