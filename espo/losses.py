@@ -361,6 +361,8 @@ def entropy_groups(
     slack so float32 rounding of q n never adds a token. Padding (whatever it holds) reads as
     -inf, so it moves no threshold and lands in the last group; callers select with the mask.
     """
+    if scope not in QUANTILE_SCOPES:
+        raise ValueError(f"scope={scope!r} is invalid: one of {QUANTILE_SCOPES}")
     valid = mask.astype(bool)
     if num_groups == 1:
         return jnp.zeros(valid.shape, jnp.int32)

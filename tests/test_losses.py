@@ -431,6 +431,9 @@ def test_entropy_groups():
     np.testing.assert_array_equal(
         valid(groups(e, mask, num_groups=3)), [[2, 0, 2, 1, 1, -1], [2, 0, 1, -1, -1, -1]]
     )
+    # A float mask selects where it is nonzero; its values are not counts.
+    weights = mask * jnp.array([[0.5, 2.0, 3.0, 0.25, 7.0, 1.0], [4.0, 0.5, 9.0, 1.0, 1.0, 1.0]])
+    np.testing.assert_array_equal(groups(e, weights, num_groups=3), groups(e, mask, num_groups=3))
     # All-equal entropies: every token ties with every threshold and joins group 0.
     np.testing.assert_array_equal(groups(jnp.ones((2, 6)), jnp.ones((2, 6)), num_groups=3), 0)
     # Batch scope: one threshold over 12 tokens, ceil(2.4) = 3 -> {11, 10, 9}, all in row 1;

@@ -139,3 +139,6 @@ def test_entropy_groups_default_scope_is_per_sequence_and_ids_are_int32():
     for k in (1, 2, 3):
         groups = losses.entropy_groups(entropies, mask, top_frac=0.25, num_groups=k)
         assert groups.dtype == jnp.int32, (k, groups.dtype)
+    want = "scope='global' is invalid: one of ('sequence', 'batch')"
+    with pytest.raises(ValueError, match=re.escape(want) + "$"):
+        losses.entropy_groups(entropies, mask, top_frac=0.25, num_groups=2, scope="global")
