@@ -218,11 +218,16 @@ class Prefix:
     entropies: Float[Array, "R Tg"]
 
 
+_traces = [0]  # how many times jax.jit has traced `_sample_chunk` (see compile_count)
+
+
 def compile_count() -> int:
-    """How many sampling functions have been compiled so far (one per distinct model, shapes
-    and decoding settings). Read from the jitted function's cache: nothing is counted while
-    tracing; `jax.clear_caches()` resets it."""
-    return _sample_chunk._cache_size()
+    """How many sampling programs have been compiled so far (one per distinct model, shapes and
+    decoding settings): `_sample_chunk` counts its own traces, one per new signature, each then
+    compiled (or read from the persistent compilation cache). It only grows. Not the jitted
+    function's `_cache_size()`: that is its share of jax.jit's global C++ dispatch cache (8192
+    entries, LRU), which a long process fills, and then it reads 0 however much was compiled."""
+    return _traces[0]
 
 
 def sample_chunk(
@@ -286,6 +291,7 @@ def _sample_chunk(
     pad_id: int,
 ) -> SampleOutput:
     """`sample_chunk` with the decoding settings as hashable statics (one compile per value)."""
+    _traces[0] += 1  # runs while tracing only
     B, Tp = prompts.shape
     G, R, L, K = num_samples, prompts.shape[0] * num_samples, model.num_layers, model.top_k
     rep = lambda a: jnp.repeat(a, G, axis=0)

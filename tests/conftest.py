@@ -70,9 +70,10 @@ def pytest_make_collect_report(collector):
 
 @pytest.fixture
 def in_memory_compiles():
-    """For tests that count compilations by a jit's cache size: with the persistent cache on,
-    an executable found there may not be entered in the jit's in-memory cache (seen in the full
-    suite only), so such a test compiles without it."""
+    """For tests that count compilations by a jit's `_cache_size()`: that is the jit's share of
+    jax.jit's global C++ dispatch cache (8192 entries, LRU), which a long test process fills
+    (the full suite only), after which it reads 0; `jax.clear_caches()` empties it. The
+    persistent cache is off too, so every program is compiled in this process."""
     jax.config.update("jax_enable_compilation_cache", False)
     jax.clear_caches()
     yield

@@ -468,7 +468,7 @@ def test_decode_loop_reads_the_model_decode_params_layout(params):
     chex.assert_trees_all_equal(out, stacked)
 
 
-def test_buckets_bound_compiles_and_budget(params, in_memory_compiles):
+def test_buckets_bound_compiles_and_budget(params):
     _sample(params, max_new_tokens=12)
     before = sampler.compile_count()
     # Another prompt length and budget inside the same buckets: no new compile.
@@ -488,6 +488,12 @@ def test_buckets_bound_compiles_and_budget(params, in_memory_compiles):
     _sample(params, stop_ids=(1, 2), key=jax.random.key(5))
     assert sampler.compile_count() == before + 1
     assert out.tokens.shape == (6, 16) and int(out.lengths.max()) <= 10
+    # The count only grows: after jax.clear_caches() the next call compiles again, counted as 1
+    # more (a jit's cache size would now read 1, and reads 0 once jax.jit's global LRU is full).
+    before = sampler.compile_count()
+    jax.clear_caches()
+    _sample(params, stop_ids=(1, 2))
+    assert sampler.compile_count() == before + 1
     with pytest.raises(
         ValueError, match=r"prompt length 40 exceeds the largest bucket 32 of \(16, 32\)"
     ):
