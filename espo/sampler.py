@@ -224,7 +224,8 @@ _traces = [0]  # how many times jax.jit has traced `_sample_chunk` (see compile_
 def compile_count() -> int:
     """How many sampling programs have been compiled so far (one per distinct model, shapes and
     decoding settings): `_sample_chunk` counts its own traces, one per new signature, each then
-    compiled (or read from the persistent compilation cache). It only grows. Not the jitted
+    compiled (or read from the persistent compilation cache) when it runs; a trace that is never
+    run (`jax.make_jaxpr`, `.lower`) counts too. It only grows. Not the jitted
     function's `_cache_size()`: that is its share of jax.jit's global C++ dispatch cache (8192
     entries, LRU), which a long process fills, and then it reads 0 however much was compiled."""
     return _traces[0]
