@@ -20,7 +20,7 @@ import json
 import math
 from typing import Any
 
-SOURCES = ("reasoning_gym", "jsonl", "parquet", "tfds")
+SOURCES = ("chains", "reasoning_gym", "jsonl", "parquet", "tfds")
 
 # Two levels of one procedural task, so the curriculum has something to order.
 DEFAULT_TASKS = (
@@ -115,7 +115,7 @@ def _parse_value(value: str) -> Any:
 class DataConfig:
     """The `data` config section: where prompts come from and how the held-out set is cut."""
 
-    source: str = "reasoning_gym"  # reasoning_gym | jsonl | parquet | tfds
+    source: str = "reasoning_gym"  # chains | reasoning_gym | jsonl | parquet | tfds
     # reasoning_gym task specs, ";"-separated, each "name[:key=value...]": "difficulty" (a float
     # in [0, 1]) sets the spec's level, the other keys are the reasoning_gym dataset's config.
     tasks: str = DEFAULT_TASKS
@@ -135,6 +135,13 @@ class DataConfig:
     # reasoning_gym + / - arithmetic: warm-start demonstrations work the expression one step a
     # line ("7-3=4\n4-6=-2\n-2"; `espo.data.worked`) and the reward reads the last line.
     worked_solutions: bool = False
+    # chains (`espo.data.chains`): chain lengths min_terms..max_terms, P(n) ~ terms_decay ** n,
+    # and the teacher of the warm start's demonstrations: its flaw and the flaw's rate.
+    min_terms: int = 3
+    max_terms: int = 8
+    terms_decay: float = 0.8
+    teacher_flaw: str = "final_sign"
+    teacher_error: float = 0.7
 
     def __post_init__(self) -> None:
         owner = "DataConfig"
@@ -146,7 +153,7 @@ class DataConfig:
         for name in ("difficulty_field", "eval_path"):
             if not isinstance(getattr(self, name), str):
                 raise _invalid(owner, name, getattr(self, name), "a str")
-        for name in ("size", "seed"):
+        for name in ("size", "seed", "min_terms", "max_terms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise _invalid(owner, name, value, "an int")
@@ -154,6 +161,21 @@ class DataConfig:
             raise _invalid(owner, "size", self.size, "an int >= 1")
         if self.seed < 0:
             raise _invalid(owner, "seed", self.seed, "an int >= 0")
+        if self.min_terms < 2:
+            raise _invalid(owner, "min_terms", self.min_terms, "an int >= 2")
+        if self.max_terms < self.min_terms:
+            raise _invalid(
+                owner, "max_terms", self.max_terms, f"an int >= min_terms={self.min_terms}"
+            )
+        d, e = self.terms_decay, self.teacher_error
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < math.inf:
+            raise _invalid(owner, "terms_decay", d, "a finite float > 0")
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e <= 1:
+            raise _invalid(owner, "teacher_error", e, "a float in [0, 1]")
+        from espo.data import chains  # a leaf module: no import circle
+
+        if self.teacher_flaw not in chains.FLAWS:
+            raise _invalid(owner, "teacher_flaw", self.teacher_flaw, " | ".join(chains.FLAWS))
         for name in ("skip_bad_records", "worked_solutions"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(owner, name, getattr(self, name), "True or False")
@@ -169,7 +191,10 @@ class DataConfig:
                 f,
                 "a float in (0, 1) when eval_path is empty (held-out set)",
             )
-        if self.source == "reasoning_gym":
+        if self.source == "chains":
+            if self.eval_path:
+                raise _invalid(owner, "eval_path", self.eval_path, '"" for source="chains"')
+        elif self.source == "reasoning_gym":
             if not parse_task_specs(self.tasks):
                 raise _invalid(owner, "tasks", self.tasks, 'one or more "name[:key=value...]"')
             if self.eval_path:

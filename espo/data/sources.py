@@ -37,8 +37,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from espo.data import chains, worked
 from espo.data import examples as examples_lib
-from espo.data import worked
 
 _EXTENSIONS = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", ".pq")}
 _SKIP_HINT = "(set data.skip_bad_records=True to skip and count malformed records)"
@@ -71,7 +71,10 @@ class Source:
 
 def make_sources(cfg: examples_lib.DataConfig) -> tuple[Source, Source]:
     """(train, held-out eval) sources for `cfg`; raises when either is empty, naming the config."""
-    if cfg.source == "reasoning_gym":
+    if cfg.source == "chains":
+        everything, dataset = _chains_examples(cfg), chains.TASK
+        train_skipped, eval_skipped = 0, 0
+    elif cfg.source == "reasoning_gym":
         everything = _reasoning_gym_examples(cfg)
         dataset = "+".join(name for name, _ in examples_lib.parse_task_specs(cfg.tasks))
         train_skipped, eval_skipped = 0, 0
@@ -130,6 +133,8 @@ def eval_subset(
 
 
 def _describe(cfg: examples_lib.DataConfig) -> str:
+    if cfg.source == "chains":
+        return f"data.source='chains', data.size={cfg.size}"
     if cfg.source == "reasoning_gym":
         return f"data.source='reasoning_gym', data.tasks={cfg.tasks!r}, data.size={cfg.size}"
     return (
@@ -141,6 +146,44 @@ def _describe(cfg: examples_lib.DataConfig) -> str:
 def _in_held_out(prompt: str, fraction: float) -> bool:
     digest = hashlib.blake2b(prompt.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64 < fraction
+
+
+EVAL_SPLITS = ("test", "dev")
+
+
+def eval_split_of(prompt: str) -> str:
+    """ "dev" or "test": which half of the held-out set a prompt is in, by a stable hash of its
+    text independent of the held-out hash (tune on dev, report on test)."""
+    digest = hashlib.blake2b(prompt.encode("utf-8"), digest_size=8, person=b"espo-dev").digest()
+    return "dev" if digest[0] & 1 else "test"
+
+
+# ---- chains (espo.data.chains) -------------------------------------------------------------
+
+
+def _chains_examples(cfg: examples_lib.DataConfig) -> list[examples_lib.Example]:
+    """`cfg.size` chains of `cfg.seed` with the flawed teacher's demonstrations."""
+    lo, hi = cfg.min_terms, cfg.max_terms
+    out = []
+    for j in range(cfg.size):
+        chain = chains.draw(cfg.seed, j, min_terms=lo, max_terms=hi, decay=cfg.terms_decay)
+        n = len(chain.terms)
+        demo = chains.demonstration(
+            cfg.seed, j, chain, flaw=cfg.teacher_flaw, error=cfg.teacher_error
+        )
+        answer = str(chain.answer)
+        out.append(
+            examples_lib.Example(
+                id=f"{chains.TASK}:{n}-terms:{j}",
+                prompt=chain.prompt,
+                answer=answer,
+                difficulty=(n - lo) / (hi - lo) if hi > lo else 0.0,
+                meta={"task": chains.TASK, "answer": answer, "terms": list(chain.terms),
+                      "ops": list(chain.ops)},
+                demonstration=demo,
+            )
+        )  # fmt: skip
+    return out
 
 
 # ---- reasoning_gym -------------------------------------------------------------------------

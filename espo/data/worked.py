@@ -15,6 +15,8 @@ The reward then reads the completion's last line (`espo.rewards.gym.ReasoningGym
 
 from __future__ import annotations
 
+from espo.data import chains
+
 OPERATORS = ("+", "-")
 
 
@@ -45,14 +47,9 @@ def arithmetic_solution(expression: str) -> str:
             f"worked solution of {expression!r}: {what} is not supported; valid: integer terms "
             f"joined by {' or '.join(OPERATORS)} with spaces (no parentheses, * or /)"
         )
-    value = int(terms[0])
-    lines = []
-    for op, term in zip(ops, terms[1:], strict=True):
-        b = int(term)
-        result = value + b if op == "+" else value - b
-        lines.append(f"{value}{op}{b}={result}")
-        value = result
-    return "\n".join([*lines, str(value)])
+    if len(terms) == 1:
+        return str(int(terms[0]))
+    return chains.solution(chains.Chain(tuple(int(t) for t in terms), tuple(ops)))
 
 
 def _is_int(text: str) -> bool:
