@@ -8,7 +8,13 @@ Owns the eval metrics the trainer logs at the start, every `eval.every_steps` an
                        when k == 1: it equals avg@1, and its name is the greedy pass@1's);
   eval/reward_mean     mean reward of the sampled completions (shaped rewards included);
   eval/mean_length     mean sampled completion length in tokens (EOS included);
-  eval/greedy_mean_length, eval/num_prompts;
+  eval/greedy_mean_length, eval/num_prompts, eval/num_sampled_prompts (the sampled pass may
+                       cover only the first `sampled_prompts`: pass@k on a subset);
+  eval/maj@{k}         (with an answer_fn) share of prompts whose most frequent sampled answer
+                       is correct: majority voting, the baseline RL is compared with;
+  eval/process_fidelity, eval/right_answer_wrong_process  (with a process_fn) share of greedy
+                       completions whose steps are right, and of right greedy answers whose
+                       steps are not;
   eval/pass@1/{group}, eval/pass@{k}/{group}  the same per group when prompts carry several groups.
 A completion is correct when reward_fn(prompt_text, completion_text, meta) > 0.5 (the verifiers
 return 1.0 / 0.0), so pass@k >= avg@k >= 0 always holds.
@@ -49,6 +55,8 @@ class EvalConfig:
     temperature: float = 1.0  # sampling temperature of the k samples (greedy pass@1 uses 0)
     max_new_tokens: int  # generation budget of every completion
     batch_size: int = 64  # rows per sampler call (prompts x samples); >= samples
+    # Prompts of the sampled pass (avg@k, pass@k, maj@k): the first this many; 0 = all.
+    sampled_prompts: int = 0
 
     def __post_init__(self):
         checks = {
@@ -60,6 +68,10 @@ class EvalConfig:
             "max_new_tokens": (
                 _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
                 "an int >= 1",
+            ),
+            "sampled_prompts": (
+                _is_int(self.sampled_prompts) and self.sampled_prompts >= 0,
+                "an int >= 0 (0: every prompt)",
             ),
             "batch_size": (
                 _is_int(self.batch_size)
@@ -82,6 +94,8 @@ class _Pass:
 
     rewards: np.ndarray
     lengths: np.ndarray
+    faithful: np.ndarray  # [P, G] bool: process_fn's verdict (True without one)
+    answers: np.ndarray  # [P, G] object: answer_fn's text ("" without one)
 
 
 def _run_pass(
@@ -92,7 +106,7 @@ def _run_pass(
     num_samples: int,
     temperature: float,
     key: jax.Array,
-    score: Callable[[int, list[int]], float],
+    score: Callable[[int, list[int]], tuple[float, bool, str]],
     cfg: EvalConfig,
     buckets: scheduling.LengthBuckets,
     sampling_kw: Mapping,
@@ -102,6 +116,8 @@ def _run_pass(
     per_call = min(cfg.batch_size // G, P)  # prompts per sampler call, the same for every call
     rewards = np.zeros((P, G), np.float64)
     lengths = np.zeros((P, G), np.int64)
+    faithful = np.ones((P, G), bool)
+    answers = np.full((P, G), "", object)
 
     def dispatch(b: int):
         idx = list(range(b * per_call, min((b + 1) * per_call, P)))
@@ -119,7 +135,9 @@ def _run_pass(
             for g in range(G):
                 r = j * G + g
                 lengths[i, g] = lens[r]
-                rewards[i, g] = score(i, tokens[r, : lens[r]].tolist())
+                rewards[i, g], faithful[i, g], answers[i, g] = score(
+                    i, tokens[r, : lens[r]].tolist()
+                )
 
     num_batches = -(-P // per_call)
     pending = dispatch(0)
@@ -127,7 +145,15 @@ def _run_pass(
         current = pending
         pending = dispatch(b) if b < num_batches else None  # decodes while we score `current`
         collect(*current)
-    return _Pass(rewards=rewards, lengths=lengths)
+    return _Pass(rewards=rewards, lengths=lengths, faithful=faithful, answers=answers)
+
+
+def _majority_correct(answers: np.ndarray, correct: np.ndarray) -> bool:
+    """Whether the most frequent of one prompt's sampled answers (the first to reach the top
+    count) is a correct one."""
+    texts = list(answers)
+    top = max(texts, key=lambda a: (texts.count(a), -texts.index(a)))
+    return bool(correct[texts.index(top)])
 
 
 def evaluate(
@@ -144,6 +170,8 @@ def evaluate(
     cfg: EvalConfig,
     sampling_kw: Mapping,
     buckets: scheduling.LengthBuckets = sampler.DEFAULT_BUCKETS,
+    process_fn: Callable[[str, str, Mapping], bool] | None = None,
+    answer_fn: Callable[[str], str] | None = None,
 ) -> dict[str, float]:
     """Greedy pass@1 and avg@k / pass@k of `params` on held-out prompts (see the module doc).
 
@@ -160,6 +188,14 @@ def evaluate(
         set what evaluate sets itself: key, num_samples, max_new_tokens, temperature, buckets.
       buckets: the prompt bucket is the smallest of these holding the longest prompt and the
         generation bucket the smallest holding cfg.max_new_tokens, fixed for the whole call.
+      process_fn: process_fn(prompt_text, completion_text, meta) -> bool, whether a completion's
+        steps are right (e.g. `espo.data.chains.process_faithful`); adds
+        "eval/process_fidelity" (share of greedy completions whose process is right) and
+        "eval/right_answer_wrong_process" (share of the correct greedy completions whose
+        process is wrong).
+      answer_fn: answer_fn(completion_text) -> the final answer's text; adds f"eval/maj@{k}":
+        the share of prompts whose most frequent sampled answer (the first to reach the top
+        count) is correct.
     Returns:
       Python floats keyed "eval/pass@1", f"eval/avg@{k}", f"eval/pass@{k}" (k > 1),
       "eval/reward_mean", "eval/mean_length", "eval/greedy_mean_length", "eval/num_prompts".
@@ -197,7 +233,8 @@ def evaluate(
                 f"evaluate: reward_fn returned {value!r} for held-out prompt {i} "
                 f"(completion {completion!r}); it must return a finite float"
             )
-        return float(value)
+        faithful = bool(process_fn(prompt_texts[i], completion, metas[i])) if process_fn else True
+        return float(value), faithful, answer_fn(completion) if answer_fn else ""
 
     greedy_key, sample_key = jax.random.split(key)
     common = dict(cfg=cfg, buckets=fixed, sampling_kw=sampling_kw, score=score)
@@ -205,8 +242,9 @@ def evaluate(
         model, params, prompts, num_samples=1, temperature=0.0, key=greedy_key, **common
     )
     k = cfg.samples
+    n_sampled = min(cfg.sampled_prompts or P, P)  # the sampled pass: the first n_sampled prompts
     sampled = _run_pass(
-        model, params, prompts, num_samples=k, temperature=float(cfg.temperature),
+        model, params, prompts[:n_sampled], num_samples=k, temperature=float(cfg.temperature),
         key=sample_key, **common,
     )  # fmt: skip
     correct = sampled.rewards > CORRECT_ABOVE  # [P, k]
@@ -221,11 +259,26 @@ def evaluate(
         "eval/mean_length": float(np.mean(sampled.lengths)),
         "eval/greedy_mean_length": float(np.mean(greedy.lengths)),
         "eval/num_prompts": float(P),
+        "eval/num_sampled_prompts": float(n_sampled),
     }
+    if process_fn is not None:
+        right = greedy.rewards[:, 0] > CORRECT_ABOVE
+        metrics["eval/process_fidelity"] = float(np.mean(greedy.faithful[:, 0]))
+        wrong_process = right & ~greedy.faithful[:, 0]
+        metrics["eval/right_answer_wrong_process"] = float(
+            wrong_process.sum() / max(right.sum(), 1)
+        )
+    if answer_fn is not None:
+        metrics[f"eval/maj@{k}"] = float(
+            np.mean(
+                [_majority_correct(a, c) for a, c in zip(sampled.answers, correct, strict=True)]
+            )
+        )
     names, distinct = np.asarray(groups), sorted(set(groups))
     for name in distinct if len(distinct) > 1 else ():
         rows = names == name
         metrics[f"eval/pass@1/{name}"] = float(np.mean(greedy.rewards[rows, 0] > CORRECT_ABOVE))
-        if k > 1:
-            metrics[f"eval/pass@{k}/{name}"] = float(np.mean(correct[rows].any(axis=1)))
+        sampled_rows = rows[:n_sampled]
+        if k > 1 and sampled_rows.any():
+            metrics[f"eval/pass@{k}/{name}"] = float(np.mean(correct[sampled_rows].any(axis=1)))
     return metrics

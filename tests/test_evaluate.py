@@ -71,6 +71,7 @@ def test_counting_model_metrics_by_hand():
         "eval/mean_length": (4 + 2 + 1 + 4 + 3) / 5,
         "eval/greedy_mean_length": (4 + 2 + 1 + 4 + 3) / 5,
         "eval/num_prompts": 5.0,
+        "eval/num_sampled_prompts": 5.0,
     }
     # One reward call per real completion, greedy pass first: the padding copies of the last
     # prompt (3 in the greedy pass's second batch, 1 in the sampled pass's third) are dropped.
@@ -122,6 +123,45 @@ def test_per_group_pass_rates_by_hand():
     assert not any(k.count("/") > 1 for k in run(groups=["a", "a", "a"]))
 
 
+def test_process_fidelity_and_majority_vote_by_hand():
+    """Completions (budget 4, EOS 7): prompt [1, 3] -> "4567", [5] -> "67", [2, 6] -> "7". The
+    reward calls "4567" and "7" right; the process check calls "4567" and "67" right. So greedy:
+    process_fidelity 2/3, right answers 2 of which 1 ("7") has a wrong process -> 1/2. The
+    answers of the k=2 samples repeat the greedy ones, so maj@2 = pass@1 = 2/3."""
+    prompts = [[1, 3], [5], [2, 6]]
+    reward = Recorder(correct=lambda completion, meta: completion in ("4567", "7"))
+    cfg = evaluate.EvalConfig(samples=2, max_new_tokens=4, batch_size=4)
+    got = _run(
+        testing.CountingModel(), prompts, reward=reward, cfg=cfg,
+        process_fn=lambda prompt, completion, meta: completion in ("4567", "67"),
+        answer_fn=lambda completion: completion[-2:],
+    )  # fmt: skip
+    assert got["eval/process_fidelity"] == pytest.approx(2 / 3)
+    assert got["eval/right_answer_wrong_process"] == pytest.approx(1 / 2)
+    assert got["eval/maj@2"] == pytest.approx(2 / 3)
+    plain = _run(testing.CountingModel(), prompts, reward=Recorder(lambda c, m: False), cfg=cfg)
+    assert not {"eval/process_fidelity", "eval/maj@2"} & set(plain)
+
+
+def test_majority_takes_the_most_frequent_answer_first_on_ties():
+    answers = np.array(["a", "b", "b", "c"], object)
+    assert evaluate._majority_correct(answers, np.array([True, False, False, True])) is False
+    assert evaluate._majority_correct(answers, np.array([False, True, True, False])) is True
+    tie = np.array(["x", "y", "y", "x"], object)  # both twice: "x" reached the top count first
+    assert evaluate._majority_correct(tie, np.array([True, False, False, True])) is True
+
+
+def test_sampled_prompts_limits_the_sampled_pass_to_the_first_prompts():
+    reward = Recorder(lambda completion, meta: False)
+    cfg = evaluate.EvalConfig(samples=2, max_new_tokens=4, batch_size=4, sampled_prompts=2)
+    got = _run(testing.CountingModel(), [[1, 3], [5], [2, 6]], reward=reward, cfg=cfg)
+    assert got["eval/num_prompts"] == 3.0 and got["eval/num_sampled_prompts"] == 2.0
+    sampled_calls = reward.calls[3:]  # after the greedy pass's three
+    assert sorted({i for i, _ in sampled_calls}) == [0, 1] and len(sampled_calls) == 4
+    with pytest.raises(ValueError, match="EvalConfig.sampled_prompts=-1"):
+        evaluate.EvalConfig(max_new_tokens=4, sampled_prompts=-1)
+
+
 def test_a_reward_of_one_half_is_not_correct():
     cfg = evaluate.EvalConfig(samples=2, max_new_tokens=4, batch_size=2)
     got = _run(testing.CountingModel(), [[3], [5]], reward=lambda p, c, m: 0.5, cfg=cfg)
@@ -134,7 +174,7 @@ def test_samples_1_keeps_the_greedy_pass_at_1():
     cfg = evaluate.EvalConfig(samples=1, max_new_tokens=1, batch_size=2)
     got = _run(UNIFORM, [[3]] * 8, reward=reward, cfg=cfg)
     assert got["eval/pass@1"] == 1.0  # not overwritten by the sampled pass (mostly wrong)
-    assert got["eval/avg@1"] < 1.0 and "eval/pass@1" in got and len(got) == 6
+    assert got["eval/avg@1"] < 1.0 and "eval/pass@1" in got and len(got) == 7
 
 
 def test_batches_get_different_keys_and_pass_k_bounds_avg_k():
