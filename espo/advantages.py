@@ -24,6 +24,10 @@ The rules (issue 7; `compute` implements them, `zero_variance` uses the same one
      all-wrong group of 8, one response 2 tokens into DAPO's soft overlong band (L_cache 256):
      r = [0 x8], s = [0 x7, -2/256]; mean s = -0.0009766, so A = [+0.0009766 x7, -0.0068359].
      Normalising the shaped rewards instead (the old rule) gave +0.354 and -2.475.
+     "rft" (a control, not a policy-gradient estimator): A_i = 1 if r_i > success_threshold
+     else 0 in every group, zero-variance ones included, no shaping and no RL-ZVP: one on-policy
+     update with it is online rejection-sampling fine-tuning (the NLL of the correct samples,
+     RAFT / ReST style, token-averaged over all sampled tokens).
   4. RL-ZVP (arXiv 2509.21880, docs/formulas.md §1.2), with cfg.rl_zvp: a zero-variance group
      in which every valid row is `verifiable` takes the entropy-shaped token advantage
      (`rl_zvp_tokens`), on top of its centred shaping; "correct" means mean_g r >
@@ -50,14 +54,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-ESTIMATORS = ("grpo", "dr_grpo")
+ESTIMATORS = ("grpo", "dr_grpo", "rft")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdvantageConfig:
     """How rewards become advantages (hashable: a static argument of the jitted `compute`)."""
 
-    estimator: str = "grpo"  # "grpo": (r - mean) / (std + eps); "dr_grpo": r - mean
+    # "grpo": (r - mean) / (std + eps); "dr_grpo": r - mean; "rft": 1 if r > success_threshold
+    # else 0, whatever the group (online rejection-sampling fine-tuning, a control)
+    estimator: str = "grpo"
     eps: float = 1e-6  # added to the std (outside the square root), GRPO only
     atol: float = 1e-6  # verifier rewards within atol (max - min) make a zero-variance group
     rl_zvp: bool = False  # zero-variance verifiable groups take RL-ZVP token advantages
@@ -280,21 +286,27 @@ def compute(
     signal_group = st.count >= 2  # [G]
     zero_variance = signal_group & (_spread(rewards, st) <= cfg.atol)  # [G]
     no_signal = st.present & ~signal_group  # [G]
-    signal = st.valid & signal_group[st.seg]  # [N]
 
-    centred = _centred(rewards, st)  # [N]
-    reward_adv = centred / (_std(centred, st)[st.seg] + cfg.eps) if cfg.scale_by_std else centred
-    reward_adv = jnp.where(zero_variance[st.seg], 0.0, reward_adv)  # [N]
-    if shaping is not None:
-        shaping = jax.lax.stop_gradient(jnp.asarray(shaping, jnp.float32))
-        reward_adv = reward_adv + _centred(shaping, st)  # [N] never divided by the std
+    if cfg.estimator == "rft":  # the correct rows' likelihood: no baseline, every group
+        signal = st.valid  # [N]
+        reward_adv = (rewards > cfg.success_threshold).astype(jnp.float32)  # [N]
+    else:
+        signal = st.valid & signal_group[st.seg]  # [N]
+        centred = _centred(rewards, st)  # [N]
+        reward_adv = (
+            centred / (_std(centred, st)[st.seg] + cfg.eps) if cfg.scale_by_std else centred
+        )
+        reward_adv = jnp.where(zero_variance[st.seg], 0.0, reward_adv)  # [N]
+        if shaping is not None:
+            shaping = jax.lax.stop_gradient(jnp.asarray(shaping, jnp.float32))
+            reward_adv = reward_adv + _centred(shaping, st)  # [N] never divided by the std
     sequence = jnp.where(signal, reward_adv, 0.0)  # [N]
 
     unverifiable = jnp.zeros((num_groups,), bool)
     if verifiable is not None:
         bad = st.valid & ~jnp.asarray(verifiable, bool)  # [N]
         unverifiable = jax.ops.segment_max(bad.astype(jnp.int32), st.seg, num_groups) > 0
-    zvp_group = zero_variance & ~unverifiable & cfg.rl_zvp  # [G]
+    zvp_group = zero_variance & ~unverifiable & cfg.rl_zvp & (cfg.estimator != "rft")  # [G]
     mean_reward = jax.ops.segment_sum(jnp.where(st.valid, rewards, 0.0), st.seg, num_groups)
     correct = mean_reward / jnp.maximum(st.count, 1.0) > cfg.success_threshold  # [G]
     sign = jnp.where(correct, 1, -1)[st.seg]  # [N]

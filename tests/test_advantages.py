@@ -124,6 +124,22 @@ def test_shaping_adds_centred_and_unscaled_to_an_informative_group():
     np.testing.assert_allclose(dr.advantages, [0.525, -0.575, -0.475, 0.525], **TOL)
 
 
+def test_rft_takes_the_correct_rows_of_every_group_by_hand():
+    """estimator="rft": A = 1 on correct valid rows, 0 elsewhere, with no baseline, in mixed,
+    all-correct and single-row groups alike; shaping and RL-ZVP do not apply. Rows: group 0
+    [1, 0, 1], group 1 [1, 1] (zero-variance), group 2 [1] (one row), row 6 invalid (NaN)."""
+    cfg = advantages.AdvantageConfig(estimator="rft", rl_zvp=True, success_threshold=0.5)
+    rewards = jnp.array([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, jnp.nan])
+    ids = jnp.array([0, 0, 0, 1, 1, 2, 2])
+    valid = jnp.array([True] * 6 + [False])
+    out = flat(rewards, ids, 3, cfg, valid=valid, shaping=jnp.full((7,), -0.3),
+               entropies=jnp.ones((7, 2)), mask=jnp.ones((7, 2), bool))  # fmt: skip
+    np.testing.assert_array_equal(out.sequence_advantages, [1, 0, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(out.advantages, np.repeat([[1, 0, 1, 1, 1, 1, 0]], 2, 0).T)
+    np.testing.assert_array_equal(out.zvp_sign, [0] * 7)
+    assert float(out.metrics["adv/num_zero_variance_groups"]) == 1.0  # still counted
+
+
 # ---------------------------------------------------------------- issue 7 #2: validity
 
 
@@ -411,7 +427,8 @@ def ragged_batches(draw, n=12, num_groups=4):
     valid = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     verifiable = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     cfg = advantages.AdvantageConfig(
-        estimator=draw(st.sampled_from(advantages.ESTIMATORS)), rl_zvp=draw(st.booleans())
+        estimator=draw(st.sampled_from(("grpo", "dr_grpo"))),
+        rl_zvp=draw(st.booleans()),  # rft: its own hand test
     )
     return rewards, ids, num_groups, valid, shaping, verifiable, cfg
 
@@ -615,7 +632,7 @@ def test_rl_zvp_shape_errors_say_what_they_got():
 @pytest.mark.parametrize(
     ("field", "value", "valid"),
     [
-        ("estimator", "ppo", "one of ('grpo', 'dr_grpo')"),
+        ("estimator", "ppo", "one of ('grpo', 'dr_grpo', 'rft')"),
         ("eps", -1.0, "a float >= 0"),
         ("eps", "1e-6", "a float >= 0"),
         ("atol", -0.5, "a float >= 0"),
