@@ -22,6 +22,7 @@ import ml_collections
 
 from espo import advantages, curriculum, evaluate, losses, zero_variance
 from espo.data import examples as data_examples
+from espo.data import sources
 from espo.model import config as model_config
 from espo.rewards import reward_model
 
@@ -224,6 +225,9 @@ class RewardConfig:
     model_mode: str = "adjusted"  # how its scores become rewards: naive | adjusted | judge
     # RM score gaps below it are ties (adjusted, judge)
     model_dead_zone: float = reward_model.DEFAULT_DEAD_ZONE
+    # A control: the rewards of each rollout call permuted over its rows (a policy that learns
+    # from them learns from something other than the reward); metrics keep the true rewards.
+    shuffle: bool = False
 
     def __post_init__(self):
         frac = self.overlong_cache_fraction
@@ -243,6 +247,7 @@ class RewardConfig:
                     " | ".join(REWARD_MODEL_MODES),
                 ),
                 "model_dead_zone": (_is_num(dz) and dz >= 0, ">= 0"),
+                "shuffle": (isinstance(self.shuffle, bool), "True or False"),
             },
         )
 
@@ -253,6 +258,7 @@ class EvalSchedule:
 
     every_steps: int = 0
     num_prompts: int = 256
+    split: str = "test"  # half of the held-out set: test (report) | dev (tune)
 
     def __post_init__(self):
         check(
@@ -260,6 +266,7 @@ class EvalSchedule:
             {
                 "every_steps": (_is_int(self.every_steps) and self.every_steps >= 0, ">= 0"),
                 "num_prompts": (_is_int(self.num_prompts) and self.num_prompts >= 1, ">= 1"),
+                "split": (self.split in sources.EVAL_SPLITS, " | ".join(sources.EVAL_SPLITS)),
             },
         )
 
@@ -390,7 +397,11 @@ class Settings:
         ev = dict(c.eval.to_dict())
         schedule = build(
             EvalSchedule,
-            dict(every_steps=ev.pop("every_steps"), num_prompts=ev.pop("num_prompts")),
+            dict(
+                every_steps=ev.pop("every_steps"),
+                num_prompts=ev.pop("num_prompts"),
+                **({"split": ev.pop("split")} if "split" in ev else {}),
+            ),
             "eval",
         )
         train = build(TrainConfig, c.train, "train")
@@ -410,7 +421,9 @@ class Settings:
             hf_path=hf_path,
             init_from=init_from,
             model=None if hf_path else build(model_config.ModelConfig, model, "model"),
-            data=build(data_examples.DataConfig, data, "data", seed=c.seed),
+            # The data's own seed (data.seed; the run's seed when the config has none): the
+            # examples and the held-out set stay the same when the run's seed changes.
+            data=build(data_examples.DataConfig, {"seed": c.seed, **data}, "data"),
             max_prompt_length=max_prompt_length,
             rollout=build(RolloutConfig, c.rollout, "rollout"),
             train=train,

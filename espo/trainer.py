@@ -96,6 +96,10 @@ def reward_fn_of(s: config_lib.Settings):
                 f"--config.reward.function={s.reward.function!r} is invalid: {e} (a picklable "
                 "fn(prompt, completion, meta) -> float at module level of an importable module)"
             ) from None
+    if s.data.source == "chains":
+        from espo.data import chains
+
+        return chains.ChainReward()
     if s.data.source == "reasoning_gym":
         from espo.rewards import gym
 
@@ -237,11 +241,20 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     train_src, eval_src = sources.make_sources(s.data)
     encoded: dict[str, list[int]] = {}
     encode = lambda e: encoded.setdefault(e.id, tok.encode_prompt(e.prompt))
+    # The held-out half named by eval.split (test: report; dev: tune), prompts that fit.
     evals = sources.eval_subset(
-        eval_src, s.eval_schedule.num_prompts, keep=lambda e: len(encode(e)) <= s.max_prompt_length
+        eval_src,
+        s.eval_schedule.num_prompts,
+        keep=lambda e: (
+            len(encode(e)) <= s.max_prompt_length
+            and sources.eval_split_of(e.prompt) == s.eval_schedule.split
+        ),
     )
     if not evals:
-        raise ValueError(f"no held-out prompt fits data.max_prompt_length={s.max_prompt_length}")
+        raise ValueError(
+            f"no held-out prompt of eval.split={s.eval_schedule.split!r} fits "
+            f"data.max_prompt_length={s.max_prompt_length}"
+        )
     reward_fn = reward_fn_of(s)
     reward_model = _reward_model(s, tok)
     curr = s.curriculum
@@ -506,6 +519,10 @@ class _Generator:
             )
             res = dataclasses.replace(res, metrics={**res.metrics, **rm_metrics})
             rows["verifier_rewards"] = verifier  # what train/accuracy reads off carried groups
+        if self.s.reward.shuffle:  # the shuffled-reward control: permuted over the valid rows
+            key = jax.random.fold_in(jax.random.fold_in(self.key, 2**20), len(self.parts))
+            reward = _shuffled(reward, np.asarray(r.reward_ok), key)
+            rows["verifier_rewards"] = verifier
         rep = self.shaping.repetition_weight > 0
         shaped, _ = shaping.shape_rewards(
             np.nan_to_num(reward), lengths=np.asarray(r.lengths),
@@ -554,6 +571,13 @@ class _Generator:
             vals = [res.metrics[k] for res, _ in self.parts if k in res.metrics]
             out[k] = float(np.sum(vals) if k.endswith("_s") else np.mean(vals))
         return out
+
+
+def _shuffled(rewards: np.ndarray, ok: np.ndarray, key) -> np.ndarray:
+    """`rewards` with the values of the `ok` rows permuted among those rows (by `key`)."""
+    out, rows = rewards.copy(), np.flatnonzero(ok)
+    out[rows] = rewards[rows][np.asarray(jax.random.permutation(key, len(rows)))]
+    return out
 
 
 def _group_sizes(zcfg, history, exs) -> np.ndarray:
@@ -619,6 +643,11 @@ def _warm_start(s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progr
 
 
 def _evaluate(handle, params, key, *, evals, encode, reward_fn, tok, s, stop) -> dict:
+    hooks = {}
+    if s.data.source == "chains":  # the task's process check and answer (maj@k)
+        from espo.data import chains
+
+        hooks = dict(process_fn=chains.process_faithful, answer_fn=chains.final_answer)
     return evaluate.evaluate(
         handle,
         params,
@@ -631,6 +660,7 @@ def _evaluate(handle, params, key, *, evals, encode, reward_fn, tok, s, stop) ->
         key=key,
         cfg=s.eval,
         sampling_kw=stop,
+        **hooks,
     )
 
 

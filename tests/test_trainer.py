@@ -155,8 +155,9 @@ def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypat
 
 
 def test_warm_start_trains_on_the_worked_solutions(tmp_path, monkeypatch):
-    """With data.worked_solutions the SFT targets are the demonstrations (steps, then the answer
-    line), not the bare answers; a budget no demonstration fits is an error naming both limits."""
+    """The SFT targets are the demonstrations (steps, then the answer line), not the bare
+    answers; a budget no demonstration fits is an error naming both limits. The held-out eval of
+    the chains task reports the process check and the majority vote."""
     seen = []
     batch_fn = trainer.sft.demonstration_batch
 
@@ -165,7 +166,7 @@ def test_warm_start_trains_on_the_worked_solutions(tmp_path, monkeypatch):
         return batch_fn(prompts, completions, **kw)
 
     monkeypatch.setattr(trainer.sft, "demonstration_batch", spy)
-    cfg = _config(train__steps=1, data__worked_solutions=True)
+    cfg = _config(train__steps=1)  # the chains task: the flawed teacher's demonstrations
     train_src, _ = sources.make_sources(config_lib.Settings.from_config(cfg).data)
     demonstrations = {e.demonstration for e in train_src}
     trainer.train(cfg, str(tmp_path / "run"), progress=False)
@@ -173,9 +174,24 @@ def test_warm_start_trains_on_the_worked_solutions(tmp_path, monkeypatch):
     texts = {tok.decode(c) for c in seen}
     assert len(seen) == cfg.sft.steps * cfg.sft.batch_size
     assert texts <= demonstrations and all("=" in t and "\n" in t for t in texts)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in ("eval/process_fidelity", "eval/right_answer_wrong_process", "eval/maj@2"):
+        assert 0.0 <= summary["final"][key] <= 1.0, key
     cfg.curriculum.stages[1].max_new_tokens = cfg.curriculum.stages[0].max_new_tokens = 2
     with pytest.raises(ValueError, match="sft: no demonstration fits.*max_new_tokens=2"):
         trainer.train(cfg, str(tmp_path / "small"), progress=False)
+
+
+def test_shuffled_rewards_permute_the_valid_rows_only():
+    rewards = np.array([1.0, 0.0, 0.5, 9.0, 0.25], np.float32)
+    ok = np.array([True, True, True, False, True])
+    perms = {tuple(trainer._shuffled(rewards, ok, jax.random.key(k))) for k in range(20)}
+    assert len(perms) > 1  # the order changes with the key
+    for p in perms:
+        p = np.array(p)
+        assert p[3] == 9.0 and sorted(p[ok]) == sorted(rewards[ok])
+    again = trainer._shuffled(rewards, ok, jax.random.key(3))
+    np.testing.assert_array_equal(again, trainer._shuffled(rewards, ok, jax.random.key(3)))
 
 
 def test_resume_equals_uninterrupted(straight, tmp_path):
@@ -337,7 +353,9 @@ def test_reward_function_names_your_verifier():
     """reward.function ("module:name", verl's custom_reward_function) replaces the source's."""
     settings = lambda f: config_lib.Settings.from_config(_config(reward__function=f))
     assert trainer.reward_fn_of(settings("espo.testing:length_reward")) is testing.length_reward
-    assert type(trainer.reward_fn_of(settings(""))).__name__ == "ReasoningGymReward"
+    assert type(trainer.reward_fn_of(settings(""))).__name__ == "ChainReward"  # the default's
+    arithmetic = config_lib.Settings.from_config(_config("arithmetic"))
+    assert type(trainer.reward_fn_of(arithmetic)).__name__ == "ReasoningGymReward"
     with pytest.raises(config_lib.ConfigError, match=r"reward\.function='espo\.testing:nope'"):
         trainer.reward_fn_of(settings("espo.testing:nope"))
     with pytest.raises(config_lib.ConfigError, match=r"reward\.function='no_colon' is invalid"):
