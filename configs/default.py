@@ -1,14 +1,18 @@
-"""The embedded default: RL on procedural arithmetic (reasoning-gym) with a small MoE from scratch.
+"""The embedded default: RL that fixes a flawed teacher's bug, on a small MoE from scratch.
 
 Run:  make run   (= python experiments/run.py --config configs/default.py)
       python experiments/run.py --config configs/default.py:tiny --workdir /tmp/espo_tiny
       python experiments/run.py --config configs/default.py --config.loss.name=grpo
 
 `get_config(arg)` takes a variant: "" (default) or "tiny" (the smallest shapes; the tests run it).
-A supervised warm start (`sft`) on worked solutions teaches the format and the steps; RL then
-trains the whole "Each Prompt Matters" pipeline: curriculum -> pre-filter -> adaptive G -> FP8
-rollout with length-aware scheduling and overlapped rewards -> shaping -> zero-variance
-elimination -> advantages -> old log-probs with router replay -> ESPO updates -> eval -> checkpoint.
+The task (`espo.data.chains`): + / - chains of 3 to 10 one-digit terms (heavy-tailed lengths),
+worked one reduction a line. The supervised warm start (`sft`) learns from a teacher with one
+systematic flaw (it drops the minus sign of a negative answer with probability
+`data.teacher_error`), so it converges to the teacher's bug; RL with the verifier's reward then
+trains the whole "Each Prompt Matters" pipeline against it: curriculum -> pre-filter -> adaptive
+G -> FP8 rollout with length-aware scheduling and overlapped rewards -> shaping -> zero-variance
+elimination -> advantages -> old log-probs with router replay -> ESPO updates -> eval ->
+checkpoint. The held-out test set depends on `data.seed` only, never on `seed`.
 Library modules never read this ConfigDict: `espo.config.Settings.from_config` turns each section
 into the frozen, validated dataclass of the module that owns it, before anything compiles.
 """
@@ -18,17 +22,6 @@ from ml_collections import config_dict
 
 _float = config_dict.placeholder(float)  # "None: the library's default for this setting"
 _int = config_dict.placeholder(int)
-
-# reasoning-gym basic_arithmetic ("Calculate 7 - 3 - 6 - 10.") at three difficulty levels (one task
-# spec per level, ";"-separated): chains of three, four and five one-digit terms. The warm start
-# works them one step a line (`data.worked_solutions`), so held-out chains are made of steps that
-# training chains also take; the curriculum lengthens the chains; the held-out eval covers all
-# three.
-_PLAIN = "min_digits=1:max_digits=1:operators=+-:allow_parentheses=false:allow_negation=false"
-ARITHMETIC = ";".join(
-    f"basic_arithmetic:min_terms={n}:max_terms={n}:{_PLAIN}:difficulty={level}"
-    for n, level in ((3, 0.0), (4, 0.5), (5, 1.0))
-)
 
 
 def stage(name, *, max_difficulty, steps, group_size=8, max_new_tokens=8, **kw):
@@ -80,9 +73,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- data: espo.data.DataConfig (grain pipeline) ---------------------------------------------
     c.data = ml_collections.ConfigDict()
-    c.data.source = "reasoning_gym"  # reasoning_gym | jsonl | parquet | tfds
-    c.data.tasks = ARITHMETIC  # reasoning_gym task specs "name:key=value...:difficulty=x;..."
-    c.data.size = 3000  # reasoning_gym: examples generated per task spec
+    c.data.source = "chains"  # chains | reasoning_gym | jsonl | parquet | tfds
+    c.data.seed = 0  # seed of the generated examples (and so of the held-out set)
+    c.data.size = 30000  # chains / reasoning_gym: examples generated (per task spec)
+    c.data.min_terms = 3  # chains: shortest chain
+    c.data.max_terms = 6  # chains: longest chain (about 55 characters worked)
+    c.data.terms_decay = 0.75  # chains: P(n terms) ~ terms_decay ** n (heavy-tailed lengths)
+    c.data.teacher_flaw = "final_sign"  # chains: the teacher's flaw: none | final_sign | sign
+    c.data.teacher_error = 0.7  # chains: probability of the flaw where it can occur
+    c.data.tasks = ""  # reasoning_gym task specs "name:key=value...:difficulty=x;..."
     c.data.path = ""  # jsonl / parquet file, or the TFDS dataset name
     c.data.tfds_data_dir = ""  # TFDS data_dir (prepared ArrayRecord files)
     c.data.split = "train"  # TFDS split
@@ -92,14 +91,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.data.eval_path = ""  # separate held-out file; "" = split by eval_fraction
     c.data.eval_fraction = 0.1  # held-out share (by a stable hash of the prompt text)
     c.data.skip_bad_records = False  # True: skip and count malformed records instead of failing
-    c.data.worked_solutions = True  # SFT demonstrations work + / - chains a step a line
-    c.data.max_prompt_length = 32  # prompts longer than this (tokens) are skipped (verl's filter)
+    c.data.worked_solutions = False  # reasoning_gym + / -: binary steps a line (configs/arithmetic)
+    c.data.max_prompt_length = 48  # prompts longer than this (tokens) are skipped (verl's filter)
 
     # ---- rollout: sampling (names as in vLLM / verl) and scheduling ------------------------------
     c.rollout = ml_collections.ConfigDict()
-    # At 0.6 the samples leave the greedy path only where the policy is unsure, so RL works on
-    # the errors greedy pass@1 makes: held-out greedy +7.8 points in 100 steps, +3.1 at 1.0.
-    c.rollout.temperature = 0.6  # sampling temperature (0 = greedy); the update scales the same
+    # At 1.0 a negative answer keeps its minus sign in about the teacher's 30% of the samples,
+    # which is the signal RL amplifies (greedy decoding drops it every time after the warm start).
+    c.rollout.temperature = 1.0  # sampling temperature (0 = greedy); the update scales the same
     c.rollout.top_p = 1.0  # nucleus mass kept
     c.rollout.top_k = 0  # 0 = no top-k truncation
     c.rollout.fp8 = True  # sample from FP8 (e4m3) weights; training stays in param_dtype
@@ -113,7 +112,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- train: the RL loop (verl / TRL names) ---------------------------------------------------
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 100  # RL steps
+    c.train.steps = 60  # RL steps
     c.train.prompts_per_step = 16  # groups per optimiser batch (verl: train_batch_size)
     c.train.ppo_epochs = 1  # passes over each batch (verl: ppo_epochs, TRL: num_iterations)
     c.train.mini_batch_size = 0  # rows per optimiser update; 0 = the whole batch (one update)
@@ -148,25 +147,27 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- curriculum: espo.curriculum stages, in order (Compass-Thinker-7B) -----------------------
     c.curriculum = ml_collections.ConfigDict()
-    # Budgets: the longest worked solution of a level (22, 32, 42 characters + the stop id) stays
-    # below the overlong penalty's onset, max_new_tokens * (1 - reward.overlong_cache_fraction).
+    # Budgets: the longest worked solution of a stage (3-4 terms: 29 characters, 3-6 terms: 49, +
+    # the stop id) stays below the overlong penalty's onset, max_new_tokens * (1 -
+    # reward.overlong_cache_fraction).
     c.curriculum.stages = (
-        stage("short", max_difficulty=0.0, steps=15, max_new_tokens=32),
-        stage("mixed", max_difficulty=0.5, steps=30, max_new_tokens=48),
-        stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=56),
+        stage("short", max_difficulty=1 / 3, steps=15, max_new_tokens=48),
+        stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=72),
     )
 
     # ---- eval: held-out greedy pass@1 and avg@k / pass@k -----------------------------------------
     c.eval = ml_collections.ConfigDict()
-    c.eval.every_steps = 25  # 0 = only at the start and the end
+    c.eval.every_steps = 30  # 0 = only at the start and the end
     c.eval.samples = 8  # k of avg@k / pass@k
-    c.eval.num_prompts = 256  # held-out prompts evaluated
+    c.eval.num_prompts = 1024  # held-out prompts of eval.split evaluated (greedy pass@1)
+    c.eval.sampled_prompts = 128  # of them, the first this many also sampled (avg@k, pass@k, maj@k)
+    c.eval.split = "test"  # test (report) | dev (tune): halves of the held-out set
     c.eval.temperature = 1.0  # of the k samples (pass@1 is greedy)
     c.eval.batch_size = 256  # rows per sampler call
 
     # ---- checkpoint: orbax CheckpointManager in WORKDIR/checkpoints ------------------------------
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 25  # save period (and always at the end)
+    c.checkpoint.every_steps = 30  # save period (and always at the end)
     c.checkpoint.keep = 2  # newest checkpoints kept
 
     # ---- loss: espo.losses.LossConfig ------------------------------------------------------------
@@ -193,7 +194,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- advantage: espo.advantages.AdvantageConfig ----------------------------------------------
     c.advantage = ml_collections.ConfigDict()
-    c.advantage.estimator = "grpo"  # grpo: (r - mean) / (std + eps) | dr_grpo: r - mean
+    c.advantage.estimator = "grpo"  # grpo: (r - mean) / (std + eps) | dr_grpo: r - mean | rft
     c.advantage.eps = 1e-6  # added to the group std
     c.advantage.rl_zvp_alpha = 0.1  # RL-ZVP alpha (used when zve.mode = rl_zvp)
     c.advantage.success_threshold = 0.5  # a sample is correct when its verifier reward > this
@@ -228,6 +229,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.reward.model_path = ""  # directory of a saved RM ("" = rewards from the verifier only)
     c.reward.model_mode = "adjusted"  # naive (RM score) | adjusted (tiers, ties, ranks) | judge
     c.reward.model_dead_zone = 0.75  # RM score gaps below this are ties (adjusted, judge)
+    c.reward.shuffle = False  # a control: rewards permuted over each rollout call's rows
 
     # ---- mesh: espo.sharding (data x fsdp x expert = the device count) ---------------------------
     c.mesh = ml_collections.ConfigDict()
@@ -244,7 +246,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     if variant == "tiny":
         c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
         c.model.update(num_experts=4, top_k=2, moe_ffn_dim=32)
-        c.data.update(size=64, eval_fraction=0.25)
+        c.data.update(size=64, eval_fraction=0.25, max_terms=4, max_prompt_length=32)
         c.rollout.update(max_chunk_size=16, reward_workers=1)
         c.train.update(steps=2, prompts_per_step=2, micro_batch_size=8, mini_batch_size=16)
         c.sft.update(steps=2, batch_size=4)
