@@ -5,14 +5,15 @@ CONFIG ?= configs/default.py
 
 .PHONY: run test lint format clean mutmut
 
-$(VENV)/.installed: setup.py
+# constraints.txt pins every package to the version the README's numbers were measured with.
+$(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -c constraints.txt -e .
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
 run: $(VENV)/.installed
@@ -28,7 +29,7 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check --fix .
 
 $(VENV)/.installed-dev: $(VENV)/.installed-test
-	$(PY) -m pip install -q -e '.[test,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,dev]'
 	touch $@
 
 # Mutation testing of the numerics modules ([tool.mutmut] in pyproject.toml); slow: hours on 2 cores.
