@@ -30,9 +30,13 @@ from matplotlib.backends import backend_agg
 from espo import checkpoint, metrics, testing, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRESETS = ("quick", "cpu", "large")
+PRESETS = ("quick", "cpu", "large", "default")
 
-# Config overrides of each preset on configs/default.py ("quick" starts from its tiny variant).
+# The config the reproductions run: configs/arithmetic.py, the task their tables in docs/repro/
+# were measured on (issue 33 moves them to configs/default.py); the testbed's controls
+# (repro_testbed.py) pass config_name="default".
+CONFIG = "arithmetic"
+# Config overrides of each preset on the config ("quick" starts from its tiny variant).
 # The reproductions sample at temperature 1 (their README tables were measured so; the default
 # trains at 0.6).
 _SAMPLING = {"rollout.temperature": 1.0}
@@ -46,6 +50,7 @@ _PRESET_OVERRIDES = {
         "eval.samples": 4,
         "checkpoint.every_steps": 10,
     },
+    "default": {},  # the config as it is (make run's settings, for configs/default.py)
     "large": {
         **_SAMPLING,
         "model.d_model": 256,
@@ -62,16 +67,18 @@ _PRESET_OVERRIDES = {
 }
 
 
-def config_module():
-    """configs/default.py as a module (its `get_config`, its `stage` helper)."""
-    return testing.load_script(ROOT / "configs" / "default.py", name="espo_default_config")
+def config_module(name: str = CONFIG):
+    """configs/<name>.py as a module (its `get_config`, its `stage` helper)."""
+    return testing.load_script(ROOT / "configs" / f"{name}.py", name=f"espo_{name}_config")
 
 
-def config(preset: str, overrides: Mapping[str, object] = ()) -> ml_collections.ConfigDict:
-    """configs/default.py at `preset`, then `overrides` ({"loss.name": "grpo", ...})."""
+def config(
+    preset: str, overrides: Mapping[str, object] = (), *, name: str = CONFIG
+) -> ml_collections.ConfigDict:
+    """configs/<name>.py at `preset`, then `overrides` ({"loss.name": "grpo", ...})."""
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is invalid; valid: {', '.join(PRESETS)}")
-    cfg = config_module().get_config("tiny" if preset == "quick" else "")
+    cfg = config_module(name).get_config("tiny" if preset == "quick" else "")
     return set_fields(cfg, {**_PRESET_OVERRIDES[preset], **dict(overrides)})
 
 
@@ -126,9 +133,11 @@ def run(cfg: ml_collections.ConfigDict, workdir: pathlib.Path, *, progress: bool
     return metrics.read_jsonl(workdir / "metrics.jsonl")
 
 
-def warm_start(workdir: pathlib.Path, preset: str, *, seed: int, progress: bool) -> pathlib.Path:
+def warm_start(
+    workdir: pathlib.Path, preset: str, *, seed: int, progress: bool, name: str = CONFIG
+) -> pathlib.Path:
     """The supervised warm start every arm starts from (a run of train.steps=0 in `workdir`)."""
-    run(config(preset, {"seed": seed, "train.steps": 0}), workdir, progress=progress)
+    run(config(preset, {"seed": seed, "train.steps": 0}, name=name), workdir, progress=progress)
     return workdir
 
 
@@ -141,17 +150,19 @@ def run_arms(
     progress: bool = True,
     common: Mapping[str, object] = (),
     warm: pathlib.Path | None = None,
+    name: str = CONFIG,
 ) -> dict[str, list[list[dict]]]:
-    """{arm name: [records of seed k]} after every arm x seed ran from one warm start (in
-    `warm`, default OUT/warm_start; scripts given the same directory share it)."""
-    base = warm_start(warm or out / "warm_start", preset, seed=seeds[0], progress=progress)
+    """{arm name: [records of seed k]} after every arm x seed of configs/<name>.py ran from one
+    warm start (in `warm`, default OUT/warm_start; scripts given the same directory share it)."""
+    warm = warm or out / "warm_start"
+    base = warm_start(warm, preset, seed=seeds[0], progress=progress, name=name)
     runs = {}
     for arm in arms:
         runs[arm.name] = []
         for seed in seeds:
             overrides = {**dict(common), **dict(arm.overrides), "seed": seed}
             overrides["model.init_from"] = str(base)
-            cfg = config(preset, overrides)
+            cfg = config(preset, overrides, name=name)
             print(f"== {arm.title}, seed {seed}", flush=True)
             runs[arm.name].append(run(cfg, out / arm.name / f"seed{seed}", progress=progress))
     return runs
@@ -201,6 +212,26 @@ def spread(values: Sequence[float], digits: int = 3) -> str:
     small = 0 < abs(v.mean()) < 10.0**-digits  # would print as 0.000: scientific
     fmt = (lambda x: f"{x:.2e}") if small else (lambda x: f"{x:.{digits}f}")
     return fmt(v[0]) if len(v) == 1 else f"{fmt(v.mean())} ± {fmt(v.std())}"
+
+
+def interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of the two-sided Student-t interval of the mean) over seeds; the
+    half-width is nan for fewer than 2 finite values."""
+    from scipy import stats  # only the summaries need it
+
+    v = np.array([x for x in values if _finite(x)], float)
+    if len(v) < 2:
+        return (float(v.mean()) if len(v) else math.nan), math.nan
+    t = float(stats.t.ppf(0.5 + confidence / 2, df=len(v) - 1))
+    return float(v.mean()), t * float(v.std(ddof=1)) / math.sqrt(len(v))
+
+
+def ci(values: Sequence[float], digits: int = 3) -> str:
+    """'m ± h [lo, hi]' with the 95% t-interval over seeds ('m' for one value)."""
+    m, h = interval(values)
+    if not math.isfinite(h):
+        return "n/a" if not math.isfinite(m) else f"{m:.{digits}f}"
+    return f"{m:.{digits}f} ± {h:.{digits}f} [{m - h:.{digits}f}, {m + h:.{digits}f}]"
 
 
 def per_seed(runs: Sequence[list[dict]], fn: Callable[[list[dict]], float]) -> list[float]:

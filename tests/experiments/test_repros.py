@@ -132,3 +132,51 @@ def test_inversion_training_quick(out):
     assert naive["pair_accuracy"] == adjusted["pair_accuracy"]  # same rollouts, same RM
     assert naive["pass@1 start"] == adjusted["pass@1 start"]
     assert "| naive RM |" in (out / "inversion" / "results.md").read_text()
+
+
+def test_testbed_quick(out):
+    """The testbed's controls on configs/default.py's tiny variant: every arm from one warm
+    start (its own, not the arithmetic repros'), SFT x2 as fresh runs, a table with the 95%
+    intervals and the warm start's majority vote."""
+    repro = _load("repro_testbed")
+    argv = ["--quick", "--seeds", "1", "--out", str(out / "testbed"), "--no-progress"]
+    data = repro.main(argv)
+    assert set(data["change"]) == {"rl", "rft", "shuffled", "sft-longer"}
+    assert all(len(v) == 1 for v in data["change"].values())
+    for name, ends in data["end"].items():  # change = end - the shared warm start's pass@1
+        assert data["change"][name] == pytest.approx([e - data["start"] for e in ends]), name
+    assert 0.0 <= data["majority"] <= 1.0
+    cfg = json.loads((out / "testbed" / "sft-longer" / "seed1" / "config.json").read_text())
+    assert cfg["sft"]["steps"] == 4 and cfg["train"]["steps"] == 0  # the tiny warm start's x2
+    arm = json.loads((out / "testbed" / "rft" / "seed0" / "config.json").read_text())
+    assert arm["advantage"]["estimator"] == "rft" and arm["data"]["source"] == "chains"
+    text = (out / "testbed" / "results.md").read_text()
+    assert "| rejection-sampling FT |" in text and "majority vote" in text
+    assert (out / "testbed" / "heldout.png").stat().st_size > 1000
+
+
+def test_make_run_seeds_quick(out):
+    """make run over two seeds of the tiny default: a row per seed, the mean with its 95%
+    interval, the same test prompts for both (data.seed), and a rerun that trains nothing."""
+    repro = _load("repro_make_run")
+    argv = ["--quick", "--seeds", "0,1", "--out", str(out / "make_run"), "--no-progress"]
+    data = repro.main(argv)
+    assert len(data["change"]) == 2 and len(data["wall_s"]) == 2
+    np.testing.assert_allclose(
+        data["change"], np.subtract(data["pass@1 end"], data["pass@1 start"])
+    )
+    text = (out / "make_run" / "results.md").read_text()
+    assert "| seed 1 |" in text and "| mean ± 95% interval |" in text
+    summaries = [json.loads((out / "make_run" / f"seed{s}" / "summary.json").read_text())
+                 for s in (0, 1)]  # fmt: skip
+    assert summaries[0]["start"]["eval/num_prompts"] == summaries[1]["start"]["eval/num_prompts"]
+
+
+def test_interval_is_the_student_t_interval_by_hand():
+    """[1, 2, 3]: mean 2, sample std 1, t_{0.975, 2} = 4.3027 -> half-width 4.3027 / sqrt(3)."""
+    lib = _load("repro_lib")
+    mean, half = lib.interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.302653 / 3**0.5, rel=1e-5)
+    assert lib.ci([1.0, 2.0, 3.0], 2) == "2.00 ± 2.48 [-0.48, 4.48]"
+    assert np.isnan(lib.interval([0.5])[1]) and lib.ci([0.5]) == "0.500"
+    assert lib.interval([1.0, float("nan"), 3.0]) == pytest.approx((2.0, 12.706205))  # std sqrt(2)
