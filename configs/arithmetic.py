@@ -34,15 +34,17 @@ def _default():
     return module
 
 
+_DEFAULT = _default()
+stage = _DEFAULT.stage  # one curriculum stage (espo.curriculum.Stage fields)
+
+
 def get_config(arg: str = ""):
-    default = _default()
     variant = arg or "default"
     if variant not in ("default", "tiny"):
         raise ValueError(
             f"configs/arithmetic.py: variant {variant!r} is invalid; valid: default, tiny"
         )
-    c = default.get_config(arg)
-    stage = default.stage
+    c = _DEFAULT.get_config(arg)
     c.workdir = "runs/arithmetic"  # outputs
     c.data.update(source="reasoning_gym", tasks=ARITHMETIC, worked_solutions=True)
     if variant == "tiny":

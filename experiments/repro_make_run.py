@@ -36,13 +36,14 @@ def main(argv=None) -> dict:
         runs.append(repro_lib.run(cfg, workdir, progress=not args.no_progress))
         walls.append(json.loads((workdir / "summary.json").read_text())["wall_s"])
     first = lambda key: lambda r: repro_lib.series(r, key)[1][0]
+    k = repro_lib.config(args.preset, name="default").eval.samples
     cols = {
         "pass@1 start": first(KEY),
         "pass@1 end": lambda r: repro_lib.last(r, KEY),
         "change": lambda r: repro_lib.change(r, KEY),
-        "maj@8 start": first("eval/maj@8"),
-        "pass@8 start": first("eval/pass@8"),
-        "pass@8 end": lambda r: repro_lib.last(r, "eval/pass@8"),
+        f"maj@{k} start": first(f"eval/maj@{k}"),
+        f"pass@{k} start": first(f"eval/pass@{k}"),
+        f"pass@{k} end": lambda r: repro_lib.last(r, f"eval/pass@{k}"),
         "process fidelity end": lambda r: repro_lib.last(r, "eval/process_fidelity"),
         "right answer, wrong process end": lambda r: repro_lib.last(
             r, "eval/right_answer_wrong_process"
@@ -57,7 +58,7 @@ def main(argv=None) -> dict:
     table = repro_lib.markdown_table(["run", *cols, "wall (s)"], rows)
     notes = (
         "Held-out test split (eval.split=test, data.seed=0: the same prompts for every seed): "
-        "greedy pass@1 on eval.num_prompts prompts; pass@8 and maj@8 on the first "
+        f"greedy pass@1 on eval.num_prompts prompts; pass@{k} and maj@{k} on the first "
         "eval.sampled_prompts of them. The interval is the two-sided 95% Student-t interval "
         "of the mean over seeds [its ends]. Wall: summary.json's wall_s, from the start of "
         "`trainer.train` to the summary (the process adds ~13 s of Python and JAX imports)."

@@ -148,7 +148,7 @@ def test_testbed_quick(out):
     assert 0.0 <= data["majority"] <= 1.0
     cfg = json.loads((out / "testbed" / "sft-longer" / "seed1" / "config.json").read_text())
     assert cfg["sft"]["steps"] == 4 and cfg["train"]["steps"] == 0  # the tiny warm start's x2
-    arm = json.loads((out / "testbed" / "rft" / "seed0" / "config.json").read_text())
+    arm = json.loads((out / "testbed" / "rft" / "seed1" / "config.json").read_text())
     assert arm["advantage"]["estimator"] == "rft" and arm["data"]["source"] == "chains"
     text = (out / "testbed" / "results.md").read_text()
     assert "| rejection-sampling FT |" in text and "majority vote" in text
