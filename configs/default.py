@@ -161,7 +161,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.eval.samples = 8  # k of avg@k / pass@k
     c.eval.num_prompts = 1024  # held-out prompts of eval.split evaluated (greedy pass@1)
     c.eval.sampled_prompts = 128  # of them, the first this many also sampled (avg@k, pass@k, maj@k)
-    c.eval.split = "test"  # test (report) | dev (tune): halves of the held-out set
+    c.eval.split = "test"  # test (report) | dev (tune): held-out halves (eval_path: all test)
     c.eval.temperature = 1.0  # of the k samples (pass@1 is greedy)
     c.eval.batch_size = 256  # rows per sampler call
 

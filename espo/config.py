@@ -404,6 +404,11 @@ class Settings:
             ),
             "eval",
         )
+        if schedule.split == "dev" and data.get("eval_path"):
+            raise ConfigError(
+                "--config.eval.split='dev' is invalid with data.eval_path: that file is the test "
+                "set, whole; the dev half is cut from a held-out set split by data.eval_fraction"
+            )
         train = build(TrainConfig, c.train, "train")
         longest = max_prompt_length + curr.max_new_tokens
         if train.packing and train.max_tokens_per_micro_batch < longest:

@@ -241,13 +241,14 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     train_src, eval_src = sources.make_sources(s.data)
     encoded: dict[str, list[int]] = {}
     encode = lambda e: encoded.setdefault(e.id, tok.encode_prompt(e.prompt))
-    # The held-out half named by eval.split (test: report; dev: tune), prompts that fit.
+    # The held-out half named by eval.split (test: report; dev: tune), prompts that fit; a
+    # held-out file of the user's (data.eval_path) is the test set whole.
     evals = sources.eval_subset(
         eval_src,
         s.eval_schedule.num_prompts,
         keep=lambda e: (
             len(encode(e)) <= s.max_prompt_length
-            and sources.eval_split_of(e.prompt) == s.eval_schedule.split
+            and (s.data.eval_path or sources.eval_split_of(e.prompt) == s.eval_schedule.split)
         ),
     )
     if not evals:

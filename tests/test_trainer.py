@@ -315,6 +315,37 @@ def test_config_error_wording_names_the_key():
         config_lib.Settings.from_config(cfg)
 
 
+class _Evals(Exception):
+    pass
+
+
+@pytest.mark.parametrize("eval_file", [False, True])
+def test_eval_takes_the_test_half_or_a_held_out_file_whole(tmp_path, monkeypatch, eval_file):
+    """Split by data.eval_fraction, the eval prompts are the held-out set's test half; a
+    data.eval_path file is the test set whole."""
+    rows = [
+        {"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(9) for b in range(9)
+    ]
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    over = dict(data__source="jsonl", data__path=str(data), eval__num_prompts=100)
+    if eval_file:
+        over["data__eval_path"] = str(data)
+    seen, real = [], sources.eval_subset
+
+    def spy(source, n, *, keep):  # the eval prompts, then stop the run
+        seen.extend(e.prompt for e in real(source, n, keep=keep))
+        raise _Evals
+
+    monkeypatch.setattr(sources, "eval_subset", spy)
+    with pytest.raises(_Evals):
+        trainer.train(_config(**over), str(tmp_path / "run"), progress=False)
+    if eval_file:
+        assert sorted(seen) == sorted(r["prompt"] for r in rows)
+    else:
+        assert seen and {sources.eval_split_of(p) for p in seen} == {"test"}
+
+
 def test_malformed_data_is_an_error_naming_file_and_line(tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n{bad\n')

@@ -204,3 +204,13 @@ def test_config_errors_name_the_key(section, field, value):
 def test_reward_shuffle_must_be_a_bool():
     with pytest.raises(ValueError, match=r"RewardConfig\.shuffle=1 is invalid"):
         config_lib.RewardConfig(shuffle=1)
+
+
+def test_dev_split_needs_a_held_out_set_cut_from_the_data():
+    cfg = testing.load_script(ROOT / "configs" / "default.py").get_config("tiny")
+    cfg.data.update(source="jsonl", path="train.jsonl", eval_path="test.jsonl")
+    cfg.eval.split = "dev"
+    with pytest.raises(config_lib.ConfigError, match=r"--config\.eval\.split='dev'"):
+        config_lib.Settings.from_config(cfg)
+    cfg.eval.split = "test"
+    assert config_lib.Settings.from_config(cfg).eval_schedule.split == "test"
