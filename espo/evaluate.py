@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -224,7 +225,9 @@ def evaluate(
         generation_buckets=(buckets.generation_bucket(cfg.max_new_tokens),),
     )
 
-    def score(i: int, completion_tokens: list[int]) -> float:
+    def score(i: int, completion_tokens: list[int], *, greedy: bool) -> tuple[float, bool, str]:
+        """(reward, process right, answer): the process is checked on the greedy pass only
+        (what the process metrics read), the answer taken on the sampled pass only (maj@k)."""
         completion = detokenize(completion_tokens)
         value = reward_fn(prompt_texts[i], completion, metas[i])
         ok = isinstance(value, int | float | np.number) and not isinstance(value, bool)
@@ -233,19 +236,22 @@ def evaluate(
                 f"evaluate: reward_fn returned {value!r} for held-out prompt {i} "
                 f"(completion {completion!r}); it must return a finite float"
             )
-        faithful = bool(process_fn(prompt_texts[i], completion, metas[i])) if process_fn else True
-        return float(value), faithful, answer_fn(completion) if answer_fn else ""
+        faithful = not (greedy and process_fn) or bool(
+            process_fn(prompt_texts[i], completion, metas[i])
+        )
+        return float(value), faithful, answer_fn(completion) if answer_fn and not greedy else ""
 
     greedy_key, sample_key = jax.random.split(key)
-    common = dict(cfg=cfg, buckets=fixed, sampling_kw=sampling_kw, score=score)
+    common = dict(cfg=cfg, buckets=fixed, sampling_kw=sampling_kw)
     greedy = _run_pass(
-        model, params, prompts, num_samples=1, temperature=0.0, key=greedy_key, **common
-    )
+        model, params, prompts, num_samples=1, temperature=0.0, key=greedy_key,
+        score=functools.partial(score, greedy=True), **common,
+    )  # fmt: skip
     k = cfg.samples
     n_sampled = min(cfg.sampled_prompts or P, P)  # the sampled pass: the first n_sampled prompts
     sampled = _run_pass(
         model, params, prompts[:n_sampled], num_samples=k, temperature=float(cfg.temperature),
-        key=sample_key, **common,
+        key=sample_key, score=functools.partial(score, greedy=False), **common,
     )  # fmt: skip
     correct = sampled.rewards > CORRECT_ABOVE  # [P, k]
     metrics = {

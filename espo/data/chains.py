@@ -16,7 +16,7 @@ A worked solution takes one binary step a line, left to right, and ends with the
 A chain of n terms takes n lines and about 10 n characters. Chain lengths are heavy-tailed:
 P(n) proportional to `terms_decay ** (n - min_terms)`. (A pilot of a "rewrite" format, the
 chain rewritten with its first two terms reduced on each line, reached greedy pass@1 0.15 after
-300 warm-start steps on 3-6 terms, against 0.63 for this one: README "The default task".)
+300 warm-start steps on 3-6 terms, against 0.63 for this one: README "Why this task".)
 
 The teacher (`teacher_solution`) has one systematic, realistic flaw (`data.teacher_flaw`), made
 with probability `data.teacher_error` at each place it can occur:
@@ -77,16 +77,21 @@ class Chain:
         return f"Calculate {render(self)}."
 
     def values(self) -> list[int]:
-        """The value after each reduction: values()[-1] is the answer."""
+        """The value after each step: values()[-1] is the answer."""
         out, v = [], self.terms[0]
         for op, t in zip(self.ops, self.terms[1:], strict=True):
-            v = v + t if op == "+" else v - t
+            v = apply(v, op, t)
             out.append(v)
         return out
 
     @property
     def answer(self) -> int:
         return self.values()[-1]
+
+
+def apply(a: int, op: str, b: int) -> int:
+    """a + b or a - b."""
+    return a + b if op == "+" else a - b
 
 
 def render(chain: Chain) -> str:
@@ -115,7 +120,7 @@ def teacher_values(
         raise ValueError(f"teacher flaw {flaw!r} is invalid; valid: {', '.join(FLAWS)}")
     values, v = [], chain.terms[0]
     for op, t in zip(chain.ops, chain.terms[1:], strict=True):
-        v = v + t if op == "+" else v - t
+        v = apply(v, op, t)
         if flaw == "sign" and v < 0 and rng.random() < error:
             v = -v  # the minus sign dropped; the teacher carries on from what it wrote
         values.append(v)
@@ -132,7 +137,7 @@ def teacher_solution(chain: Chain, *, flaw: str, error: float, rng: random.Rando
 
 @dataclasses.dataclass(frozen=True)
 class ProcessCheck:
-    faithful: bool  # every line is the true reduction of the line above it
+    faithful: bool  # every step true, from the value above, taking the terms in order
     correct: bool  # the last line is the true answer (what the reward checks)
 
 
@@ -160,7 +165,7 @@ def check_process(chain: Chain, completion: str) -> ProcessCheck:
         return ProcessCheck(faithful=False, correct=correct)
     value = chain.terms[0]
     for line, op, term in zip(lines, chain.ops, chain.terms[1:], strict=False):
-        true = value + term if op == "+" else value - term
+        true = apply(value, op, term)
         if parse_step(line) != (value, op, term, true):
             return ProcessCheck(faithful=False, correct=correct)
         value = true
