@@ -69,7 +69,8 @@ def unstack_layers(cfg: config_lib.ModelConfig, params: dict) -> dict:
     slice into a fresh buffer before its matmuls (a dot cannot read a dynamic slice in place),
     so every decode step writes and reads every weight once more. Per-layer buffers, split once
     before a decode loop, are read in place. Costs one copy of the weights per call and a
-    compile that grows with depth; `Model.decode_params` applies it on CPU.
+    compile that grows with depth; `Model.decode_params` applies it (on a GPU too: fewer
+    kernels a decode step).
     """
     out = {k: v for k, v in params.items() if not k.startswith("blocks_")}
     for r, (_, _, length) in enumerate(cfg.layer_runs()):
@@ -257,8 +258,9 @@ def forward(
       cache: a `KVCache`; the T tokens are written at slots [cache.index, cache.index + T).
       routing: a `RouterTrace` [B, L, T, K] to replay (required unless routing_mode is FREE).
       routing_mode: static; see `RoutingMode`.
-      dispatch_impl: static; "auto" (capacity on CPU, ragged elsewhere), "capacity", "ragged"
-        or "blocked" (`moe.expert_ffn`).
+      dispatch_impl: static; "auto" (`moe.default_impl`: capacity on CPU, Mosaic GPU kernels on
+        Hopper, ragged on TPU), "capacity", "ragged", "blocked" or "mosaic_gpu"
+        (`moe.expert_ffn`).
       return_hidden: static; also return the final-norm hidden state [B, T, D] (for value or
         reward heads).
       replay_missing: static; what a replaying forward does with a real token (attention_mask

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import strategies as st
 
 from espo import sharding, testing
-from espo.model import RoutingMode, moe
+from espo.model import RoutingMode, grouped, moe
 
 E, D, F, K, M = 8, 16, 24, 2, 37
 
@@ -37,7 +37,8 @@ def _routing(seed, *, unrecorded=0):
     return ids, w
 
 
-IMPLS = ["capacity", "blocked", "ragged"]
+# "mosaic_gpu" runs its custom VJP with reference matmuls off a GPU (espo.model.grouped).
+IMPLS = ["capacity", "blocked", "ragged", "mosaic_gpu"]
 
 
 def _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, **kw):
@@ -180,22 +181,30 @@ def test_dispatch_gradient_keeps_no_per_block_weight_copies(weights, impl):
         assert {s[0] for s in stacks} == {1, E}, stacks  # 1: one expert's slice in the loop
 
 
-def test_auto_is_capacity_on_cpu_ragged_elsewhere_and_unknown_impls_are_refused(
-    weights, monkeypatch
-):
+def test_auto_is_capacity_on_cpu_ragged_on_tpu_by_rows_and_kernel_on_gpu(weights, monkeypatch):
     w_gate, w_up, w_down, x = weights
     ids, w = _routing(1)
-    for backend, want in (("cpu", "capacity"), ("gpu", "ragged"), ("tpu", "ragged")):
+    bf16 = jnp.bfloat16
+    cases = (
+        ("cpu", False, (bf16, 128, 128, 8), "capacity"),
+        ("tpu", False, (bf16, 128, 128, 8), "ragged"),
+        ("gpu", True, (bf16, 128, 1408, moe.DENSE_ROWS), "ragged"),  # decode rows: dense
+        ("gpu", True, (bf16, 128, 1408, 4096), "mosaic_gpu"),  # Hopper, 16-bit, widths % 64
+        ("gpu", True, (jnp.float32, 128, 128, 4096), "capacity"),  # no float32 kernel
+        ("gpu", True, (bf16, 128, 100, 4096), "capacity"),  # F not a multiple of 64
+        ("gpu", False, (bf16, 128, 128, moe.DENSE_ROWS + 1), "capacity"),  # not Hopper
+    )
+    for backend, hopper, args, want in cases:
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
-        assert moe.default_impl() == want, backend
+        monkeypatch.setattr(grouped, "hopper", lambda h=hopper: h)
+        assert moe.default_impl(*args) == want, (backend, hopper, args)
     monkeypatch.undo()
     # No impl given is "auto": this backend's default path, the same numbers.
     chex.assert_trees_all_equal(
         moe.dispatch(x, ids, w, w_gate, w_up, w_down),
         moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl=moe.default_impl()),
     )
-    want = "dispatch impl='dense' is invalid: one of ('ragged', 'capacity', 'blocked')"
-    with pytest.raises(ValueError, match=re.escape(want)):
+    with pytest.raises(ValueError, match=r"impl='dense' is invalid: one of .*'mosaic_gpu'"):
         moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl="dense")
 
 
