@@ -450,8 +450,8 @@ def test_fp8_params_sample_transparently(params):
 
 
 def test_decode_loop_reads_the_model_decode_params_layout(params):
-    # On CPU `Model.decode_params` splits the scanned [L, ...] weights per layer (read in place
-    # by the decode loop; XLA:CPU copies a scanned layer's slice every step), and the sampler
+    # `Model.decode_params` splits the scanned [L, ...] weights per layer (read in place by the
+    # decode loop, which then runs no loop over the layers), and the sampler
     # passes that layout to the model: the samples are the scanned layout's, bit for bit.
     layouts = []
     real = model.Model.decode_params
@@ -462,7 +462,7 @@ def test_decode_loop_reads_the_model_decode_params_layout(params):
 
     with mock.patch.object(model.Model, "decode_params", record):
         out = _sample(params)
-    assert layouts and (jax.default_backend() != "cpu" or "blocks_0_layer_1" in layouts[0])
+    assert layouts and "blocks_0_layer_1" in layouts[0]
     with mock.patch.object(model.Model, "decode_params", lambda self, p: p):
         stacked = _sample(params)
     chex.assert_trees_all_equal(out, stacked)

@@ -61,11 +61,12 @@ class Model:
         return transformer.forward(self.cfg, params, tokens, **options)
 
     def decode_params(self, params: dict) -> dict:
-        """`params` laid out for a decode loop: per-layer buffers on CPU, where a loop over
-        stacked layers copies each layer's weights every step (`transformer.unstack_layers`);
-        unchanged elsewhere. `forward` takes either layout. The sampler calls it per chunk."""
-        if jax.default_backend() != "cpu":
-            return params
+        """`params` laid out for a decode loop: per-layer buffers (`transformer.unstack_layers`),
+        on every backend. A loop over stacked [L, ...] weights copies each layer's slice every
+        step on CPU, and on a GPU runs the layers as a nested loop: on an H100 (bench_moe.py,
+        the 1.2B bench MoE, bf16, B=8) per-layer weights take 429 kernels a decode step against
+        783 and give 1.94x the tokens/s. `forward` takes either layout. The sampler calls it per
+        chunk."""
         return transformer.unstack_layers(self.cfg, params)
 
     def init_cache(self, *, batch: int, max_length: int) -> layers.KVCache:
