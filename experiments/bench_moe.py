@@ -1,0 +1,349 @@
+"""MoE and decode on the accelerator: what XLA compiles each dispatch path to, and what it costs.
+
+  python experiments/bench_moe.py [--quick] [--json FILE] [--only hlo,gmm,decode]
+
+Sections (one run, the same weights; every number a ratio against a bound measured or computed
+in the same run):
+  hlo:    per dispatch path (`espo.model.moe.expert_ffn` impls), the optimized HLO of the
+          experts' forward at decode and update row counts: the compiler's FLOP count
+          (`cost_analysis`) over the useful FLOPs of the rows (2 R D F x 3), whether a
+          ragged-dot survives (a grouped GEMM) or was rewritten, and the dots / GEMM calls left.
+          A ratio near E says every row is multiplied by every expert (dense).
+  gmm:    the same paths timed, forward at decode rows (B=8 and B=64 tokens x K) and forward +
+          backward at update rows, the Mosaic GPU grouped matmul (`mosaic_gpu`,
+          espo.model.grouped; its reference form off Hopper) among them; each checked against
+          `ragged` (XLA's ragged_dot, the suite's reference) before it is timed. Reported: ms,
+          useful TFLOP/s, and at decode the touched experts' weight bytes / time against the HBM
+          peak.
+  decode: kernels per decode step (the top-level ops of the sampler's `while_loop` body, loops
+          inside it counted by their trip counts), tokens/s and ms a step, bf16 and FP8 weights,
+          B=8 and B=64, the layers as a scan over stacked [L, ...] weights (the GPU layout
+          before issue 35) or unrolled over per-layer weights (`Model.decode_params` now), and
+          XLA's ragged_dot against the "auto" dispatch (`DECODE_RUNS`).
+On a GPU the model is bench_rollout.py's 1.2B MoE (D=2048, F=1408, 16 experts top-2, 12 layers,
+bf16); elsewhere configs/default.py's model class in float32 (--quick: the tiny one).
+`experiments/gpu_check.sh` runs this first on a lent GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import pathlib
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from espo import model, quant, sampler, scheduling
+from espo.model import moe
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_rollout  # noqa: E402
+
+SECTIONS = ("hlo", "gmm", "decode")
+GPU_MODEL = dict(
+    vocab_size=32000, d_model=2048, num_layers=12, num_heads=16, num_kv_heads=4, head_dim=128,
+    num_experts=16, top_k=2, moe_ffn_dim=1408, qk_norm=True, param_dtype="bfloat16",
+    dtype="bfloat16",
+)  # fmt: skip
+CPU_MODEL = dict(
+    vocab_size=128, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+    num_experts=16, top_k=4, moe_ffn_dim=128, qk_norm=True,
+)  # fmt: skip
+# Ops that launch nothing (views, tuples, parameters) in an optimized HLO computation.
+_FREE = {
+    "parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
+    "partition-id", "replica-id", "opt-barrier", "add-dependency", "get-dimension-size",
+}  # fmt: skip
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\b([a-z][a-z0-9\-]*)\(")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+# ---- optimized HLO: computations, kernels per loop iteration -----------------------------------
+def computations(hlo: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
+    """{computation: [(opcode, line)]} of an optimized HLO module's text, and the entry's name."""
+    comps, entry, current = {}, "", None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header and " = " not in line.split("{")[0]:
+            current = header.group(2)
+            comps[current] = []
+            entry = current if header.group(1) else entry
+        elif line.strip() == "}":
+            current = None
+        elif current is not None and (op := _INSTRUCTION.match(line)):
+            comps[current].append((op.group(1), line))
+    return comps, entry
+
+
+def _called(line: str, attr: str) -> list[str]:
+    m = re.search(r"\b" + attr + r"=(\{[^}]*\}|%?[\w.\-]+)", line)
+    return [n.strip(" %{}") for n in m.group(1).split(",")] if m else []
+
+
+def _trip_count(line: str) -> int | None:
+    m = re.search(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)', line)
+    return int(m.group(1)) if m else None
+
+
+def kernels(comps, name: str, unknown_trip: int = 1) -> int:
+    """Kernels one execution of computation `name` launches: its top-level ops (a fusion or a
+    custom call is one), a while loop's body times its known trip count (`unknown_trip` if none),
+    a conditional's largest branch, a call's callee."""
+    total = 0
+    for op, line in comps.get(name, ()):
+        if op in _FREE:
+            continue
+        if op == "while":
+            trip = _trip_count(line) or unknown_trip
+            body, cond = _called(line, "body"), _called(line, "condition")
+            total += trip * sum(kernels(comps, b, unknown_trip) for b in body)
+            total += (trip + 1) * sum(kernels(comps, c, unknown_trip) for c in cond)
+        elif op == "conditional":
+            branches = _called(line, "branch_computations") or (
+                _called(line, "true_computation") + _called(line, "false_computation")
+            )
+            total += max((kernels(comps, b, unknown_trip) for b in branches), default=0)
+        elif op == "call":
+            total += sum(kernels(comps, c, unknown_trip) for c in _called(line, "to_apply"))
+        else:
+            total += 1
+    return total
+
+
+def loop_kernels(hlo: str) -> dict:
+    """The entry's heaviest while loop (the decode loop of a sampler chunk): kernels per
+    iteration (body + condition), and the opcodes of its body."""
+    comps, entry = computations(hlo)
+    loops = [line for op, line in comps.get(entry, ()) if op == "while"]
+    if not loops:
+        return {"per_iteration": 0, "opcodes": {}}
+    per = [
+        sum(kernels(comps, b) for b in _called(line, "body"))
+        + sum(kernels(comps, c) for c in _called(line, "condition"))
+        for line in loops
+    ]
+    line = loops[int(np.argmax(per))]
+    ops: dict[str, int] = {}
+    for b in _called(line, "body"):
+        for op, _ in comps[b]:
+            if op not in _FREE:
+                ops[op] = ops.get(op, 0) + 1
+    return {"per_iteration": max(per), "opcodes": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
+
+
+def hlo_summary(compiled, useful_flops: float) -> dict:
+    """What the compiler made of a function: its FLOPs against the useful ones, grouped-GEMM ops
+    left, dots and GEMM custom calls (with their output shapes)."""
+    text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops = float((cost or {}).get("flops", float("nan")))
+    comps, _ = computations(text)
+    lines = [(op, line) for comp in comps.values() for op, line in comp]
+    targets = [
+        m.group(1) for _, ln in lines if (m := re.search(r'custom_call_target="([^"]+)"', ln))
+    ]
+    dots = [re.search(r"=\s*(\S+)", ln).group(1) for op, ln in lines if op == "dot"]
+    return {
+        "flops_over_useful": flops / useful_flops,
+        "ragged_dot_ops": sum(op == "ragged-dot" for op, _ in lines),
+        "dots": dots[:12],
+        "custom_calls": sorted(set(targets)),
+    }
+
+
+# ---- the grouped matmul paths -------------------------------------------------------------------
+def routed_rows(key, *, tokens: int, d: int, experts: int, top_k: int, dtype):
+    """Rows sorted by expert, as `moe.dispatch` hands them to `expert_ffn`: top-k of random
+    router logits per token, so group sizes are uneven and some may be empty."""
+    k1, k2 = jax.random.split(key)
+    ids = jax.lax.top_k(jax.random.normal(k1, (tokens, experts)), top_k)[1].reshape(-1)
+    group_sizes = jnp.bincount(ids, length=experts).astype(jnp.int32)
+    xs = jax.random.normal(k2, (tokens * top_k, d), dtype)
+    return xs, group_sizes, int(np.unique(np.asarray(ids)).size)
+
+
+def expert_weights(key, *, d: int, f: int, experts: int, dtype):
+    k = jax.random.split(key, 3)
+    w = lambda i, shape: jax.random.normal(k[i], shape, jnp.float32) / np.sqrt(shape[1])
+    return tuple(
+        a.astype(dtype)
+        for a in (w(0, (experts, d, f)), w(1, (experts, d, f)), w(2, (experts, f, d)))
+    )
+
+
+def ffn_of(impl: str):
+    return functools.partial(moe.expert_ffn, impl=impl)
+
+
+def _steady_ms(fn, args, repeats: int = 10) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.abs(got - want).max() / (np.abs(want).max() + 1e-9))
+
+
+def _loss(ffn):
+    return lambda xs, gs, *w: jnp.sum(ffn(xs, gs, *w).astype(jnp.float32) ** 2)
+
+
+def gmm_rows(impls, *, d, f, experts, top_k, dtype, row_counts, peak_gbs, timed=True):
+    """Per (impl, tokens): HLO summary, error against `ragged`, time, useful TFLOP/s, GB/s."""
+    weights = expert_weights(jax.random.key(1), d=d, f=f, experts=experts, dtype=dtype)
+    reference = jax.jit(ffn_of("ragged"))
+    ref_grads = jax.jit(jax.grad(_loss(ffn_of("ragged")), argnums=(0, 2, 3, 4)))
+    out = []
+    for tokens, backward in row_counts:
+        xs, gs, touched = routed_rows(
+            jax.random.key(tokens), tokens=tokens, d=d, experts=experts, top_k=top_k, dtype=dtype
+        )  # fmt: skip
+        rows = xs.shape[0]
+        useful = 2.0 * rows * d * f * 3 * (3 if backward else 1)
+        ref = np.asarray(reference(xs, gs, *weights), np.float32)
+        for impl in impls:
+            row = {"impl": impl, "tokens": tokens, "rows": rows, "backward": backward}
+            try:
+                ffn = ffn_of(impl)
+                fn = jax.jit(jax.grad(_loss(ffn), argnums=(0, 2, 3, 4)) if backward else ffn)
+                row.update(hlo_summary(fn.lower(xs, gs, *weights).compile(), useful))
+                y = np.asarray(jax.jit(ffn)(xs, gs, *weights), np.float32)
+                row["max_rel_err"] = _rel_err(y, ref)
+                if backward:  # the gradients against ragged's
+                    grads = fn(xs, gs, *weights)
+                    row["grad_max_rel_err"] = max(
+                        _rel_err(g, r)
+                        for g, r in zip(grads, ref_grads(xs, gs, *weights), strict=True)
+                    )
+                if timed:
+                    ms = _steady_ms(fn, (xs, gs, *weights))
+                    row.update(ms=ms, tflops=useful / ms / 1e9)
+                    if not backward:  # the touched experts' weights, read once
+                        nbytes = touched * 3 * d * f * jnp.dtype(dtype).itemsize
+                        row.update(gbs=nbytes / ms / 1e6, hbm=nbytes / ms / 1e6 / peak_gbs)
+            except Exception as err:  # a candidate that does not build here: say why, go on
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+# ---- decode: kernels per step, tokens/s, layer layouts, dispatch paths ------------------------
+# (weights, layers, batch, dispatch impl) of the decode section: the layout before issue 35
+# (scanned layers, XLA's ragged_dot), per-layer weights, then the "auto" dispatch (the Mosaic
+# GPU grouped matmul on Hopper) at both batches, bf16 and FP8.
+DECODE_RUNS = (
+    ("base", "scan", 8, "ragged"), ("base", "per-layer", 8, "ragged"),
+    ("base", "per-layer", 8, "auto"), ("base", "per-layer", 64, "ragged"),
+    ("base", "per-layer", 64, "auto"), ("fp8", "per-layer", 8, "auto"),
+    ("fp8", "per-layer", 64, "auto"),
+)  # fmt: skip
+
+
+def decode_rows(cfg, *, runs=DECODE_RUNS, new_tokens, peak_gbs, repeats=2):
+    """Per (weights, layers, batch, impl): kernels per decode step, tokens/s, ms a step, and the
+    weights' bytes read per step against the HBM peak ("base": the param_dtype weights)."""
+    base = jax.tree.map(
+        lambda x: x.astype(jnp.dtype(cfg.param_dtype)), model.init(cfg, jax.random.key(0))
+    )
+    fp8 = quant.quantize_fp8(base)
+    out = []
+    for weights, layers, batch, impl in runs:
+        p = fp8 if weights == "fp8" else base
+        m = bench_rollout.WithDispatch(cfg, impl, per_layer_params=layers == "per-layer")
+        row = {"weights": weights if weights == "fp8" else cfg.param_dtype, "layers": layers,
+               "batch": batch, "impl": impl, "new_tokens": new_tokens}  # fmt: skip
+        try:
+            prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, 16))
+            row["kernels_per_step"] = _decode_kernels(m, p, prompts, new_tokens)
+            run = functools.partial(
+                sampler.sample, m, p, prompts, np.full(batch, 16), key=jax.random.key(0),
+                num_samples=1, max_new_tokens=new_tokens, stop_ids=(cfg.vocab_size,), pad_id=0,
+                buckets=scheduling.LengthBuckets(
+                    prompt_buckets=(16,), generation_buckets=(new_tokens,)
+                ),
+            )  # fmt: skip
+            seconds = bench_rollout._timed(lambda run=run: run().tokens, repeats)
+            row["tokens_per_s"] = batch * new_tokens / seconds
+            row["ms_per_step"] = 1e3 * seconds / new_tokens
+            row["hbm"] = quant.tree_bytes(p) / 1e9 * new_tokens / seconds / peak_gbs
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def _decode_kernels(m, params, prompts, new_tokens) -> int:
+    """Kernels per iteration of the compiled sampler chunk's decode loop."""
+    batch, length = prompts.shape
+    p = m.decode_params(params)
+    compiled = sampler._sample_chunk.lower(
+        m, p, jnp.asarray(prompts), jnp.ones((batch, length), bool), jax.random.key(0),
+        jnp.int32(new_tokens), None, num_samples=1, gen_len=new_tokens, temperature=1.0,
+        top_p=1.0, top_k=0, stop_ids=(m.cfg.vocab_size,), pad_id=0,
+    ).compile()  # fmt: skip
+    return loop_kernels(compiled.as_text())["per_iteration"]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the tiny model, fewer rows (tests)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections among {SECTIONS}")
+    ap.add_argument("--json", default="", help="write every row here")
+    ap.add_argument(
+        "--cache",
+        default="",
+        help="a persistent compilation cache directory (the "
+        "decode section compiles each sampler twice: once for its HLO, once to run)",
+    )
+    args = ap.parse_args(argv)
+    if args.cache:
+        jax.config.update("jax_compilation_cache_dir", args.cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    only = set(args.only.split(","))
+    gpu = jax.default_backend() == "gpu"
+    kind = jax.devices()[0].device_kind
+    peak = next((v for k, v in bench_rollout.PEAK_BANDWIDTH_GBS.items() if k in kind), 0.0)
+    fields = GPU_MODEL if gpu else CPU_MODEL
+    cfg = model.ModelConfig.tiny() if args.quick else model.ModelConfig(**fields)
+    dtype = jnp.dtype(cfg.dtype)
+    d, f, e, k = cfg.d_model, cfg.moe_ffn_dim, cfg.num_experts, cfg.top_k
+    print(f"backend {jax.default_backend()} ({kind}), jax {jax.__version__}: D={d} F={f} E={e} "
+          f"K={k} {dtype.name}", flush=True)  # fmt: skip
+    impls = ["ragged", "capacity", "blocked", "mosaic_gpu"]  # mosaic_gpu: its reference off Hopper
+    row_counts = [(8, False), (64, False), (64 if args.quick else 4096, True)]
+    result: dict = {"backend": jax.default_backend(), "device": kind, "jax": jax.__version__,
+                    "model": dataclasses.asdict(cfg)}  # fmt: skip
+    shapes = dict(d=d, f=f, experts=e, top_k=k, dtype=dtype, row_counts=row_counts,
+                  peak_gbs=peak or float("nan"))  # fmt: skip
+    if "hlo" in only or "gmm" in only:
+        result["gmm"] = gmm_rows(impls, timed="gmm" in only, **shapes)
+    if "decode" in only:
+        quick = tuple((w, layers, 2, impl) for w, layers, b, impl in DECODE_RUNS if b == 8)
+        runs = quick if args.quick else DECODE_RUNS
+        result["decode"] = decode_rows(
+            cfg, runs=runs, new_tokens=8 if args.quick else 128,
+            peak_gbs=peak or float("nan"), repeats=1 if args.quick else 2,
+        )  # fmt: skip
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
