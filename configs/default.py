@@ -112,7 +112,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- train: the RL loop (verl / TRL names) ---------------------------------------------------
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 60  # RL steps
+    c.train.steps = 30  # RL steps
     c.train.prompts_per_step = 16  # groups per optimiser batch (verl: train_batch_size)
     c.train.ppo_epochs = 1  # passes over each batch (verl: ppo_epochs, TRL: num_iterations)
     c.train.mini_batch_size = 0  # rows per optimiser update; 0 = the whole batch (one update)
@@ -139,9 +139,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- sft: supervised warm start on task demonstrations (skipped from a checkpoint) -----------
     c.sft = ml_collections.ConfigDict()
-    c.sft.steps = 300  # 0 = no warm start
+    c.sft.steps = 450  # 0 = no warm start (about its plateau: docs/testbed)
     c.sft.batch_size = 64  # demonstrations per step
-    c.sft.learning_rate = 2e-3  # AdamW peak (warmup + cosine)
+    c.sft.learning_rate = 4e-3  # AdamW peak (warmup + cosine)
     c.sft.warmup_steps = 20  # linear warmup
     c.sft.packing = True  # demonstrations end to end in the rows (~half the positions computed)
 
@@ -157,7 +157,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- eval: held-out greedy pass@1 and avg@k / pass@k -----------------------------------------
     c.eval = ml_collections.ConfigDict()
-    c.eval.every_steps = 30  # 0 = only at the start and the end
+    c.eval.every_steps = 15  # 0 = only at the start and the end
     c.eval.samples = 8  # k of avg@k / pass@k
     c.eval.num_prompts = 1024  # held-out prompts of eval.split evaluated (greedy pass@1)
     c.eval.sampled_prompts = 128  # of them, the first this many also sampled (avg@k, pass@k, maj@k)
@@ -167,7 +167,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- checkpoint: orbax CheckpointManager in WORKDIR/checkpoints ------------------------------
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 30  # save period (and always at the end)
+    c.checkpoint.every_steps = 15  # save period (and always at the end)
     c.checkpoint.keep = 2  # newest checkpoints kept
 
     # ---- loss: espo.losses.LossConfig ------------------------------------------------------------
