@@ -5,7 +5,7 @@ Run:  make run   (= python experiments/run.py --config configs/default.py)
       python experiments/run.py --config configs/default.py --config.loss.name=grpo
 
 `get_config(arg)` takes a variant: "" (default) or "tiny" (the smallest shapes; the tests run it).
-The task (`espo.data.chains`): + / - chains of 3 to 10 one-digit terms (heavy-tailed lengths),
+The task (`espo.data.chains`): + / - chains of 3 to 6 one-digit terms (heavy-tailed lengths),
 worked one reduction a line. The supervised warm start (`sft`) learns from a teacher with one
 systematic flaw (it drops the minus sign of a negative answer with probability
 `data.teacher_error`), so it converges to the teacher's bug; RL with the verifier's reward then

@@ -39,6 +39,11 @@ def supported(dtype, k: int, n: int) -> bool:
     return hopper() and jnp.dtype(dtype) in DTYPES and k % TILE == 0 and n % TILE == 0
 
 
+def experts_supported(dtype, d: int, f: int) -> bool:
+    """Whether `swiglu_experts` with widths d (model) and f (expert) runs on the kernels."""
+    return supported(dtype, d, f) and supported(dtype, f, d)
+
+
 def _tiles(n: int) -> dict:
     # Measured on an H100 at D=2048, F=1408 (bench_moe.py): these tiles for every shape there.
     block_n = 128 if n % 128 == 0 else TILE
@@ -115,8 +120,7 @@ def swiglu_experts(
     """`moe.expert_ffn`'s SwiGLU experts over `gmm`; kernels "auto": Mosaic GPU where they run
     (`supported`), the reference elsewhere."""
     if kernels == "auto":
-        d, f = w_gate.shape[1:]
-        fits = supported(xs.dtype, d, f) and supported(xs.dtype, f, d)
+        fits = experts_supported(xs.dtype, *w_gate.shape[1:])
         kernels = "mosaic_gpu" if fits else "reference"
     if kernels not in KERNELS:
         raise ValueError(f"grouped kernels={kernels!r} is invalid: one of {KERNELS}")

@@ -385,7 +385,7 @@ def default_impl(dtype=None, d: int = 0, f: int = 0, rows: int = 0) -> str:
         return "ragged"
     if rows <= DENSE_ROWS:
         return "ragged"
-    if dtype is not None and grouped.supported(dtype, d, f) and grouped.supported(dtype, f, d):
+    if dtype is not None and grouped.experts_supported(dtype, d, f):
         return "mosaic_gpu"
     return "capacity"
 
