@@ -249,7 +249,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         c.data.update(size=64, eval_fraction=0.25, max_terms=4, max_prompt_length=32)
         c.rollout.update(max_chunk_size=16, reward_workers=1)
         c.train.update(steps=2, prompts_per_step=2, micro_batch_size=8, mini_batch_size=16)
-        c.sft.update(steps=2, batch_size=4)
+        c.sft.update(steps=2, batch_size=4, learning_rate=2e-3)
         # Padded rows: fewer compiled shapes in the many short test runs (packing has its own
         # tests: tests/test_packed_update.py, tests/test_sft.py).
         c.train.packing = False
