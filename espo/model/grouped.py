@@ -3,8 +3,8 @@
 `gmm(x, w, group_sizes)` multiplies rows sorted by group, [R, K], by their group's matrix of
 `w` [G, K, N], computing only the rows' own group (a grouped GEMM). On NVIDIA GPUs XLA rewrites
 `jax.lax.ragged_dot` into a dense matmul over every group (`experiments/bench_moe.py`: 16x the
-useful FLOPs at decode rows, 5.2x the time of this path forward + backward at update rows on an
-H100), so `moe.expert_ffn(impl="mosaic_gpu")` runs the experts through this module instead:
+useful FLOPs at decode rows, 5.9-6.5x the time of this path forward + backward at update rows
+on an H100), so `moe.expert_ffn(impl="mosaic_gpu")` runs the experts through this module instead:
   * forward and dx: `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (dx with
     `transpose_rhs`, i.e. dy [R, N] x w[g]^T);
   * dw: `transposed_ragged_dot_mgpu.transposed_ragged_dot`, x[group]^T dy[group] per group

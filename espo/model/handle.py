@@ -65,8 +65,8 @@ class Model:
         on every backend. A loop over stacked [L, ...] weights copies each layer's slice every
         step on CPU, and on a GPU runs the layers as a nested loop: on an H100 (bench_moe.py,
         the 1.2B bench MoE, bf16, B=8) per-layer weights take 429 kernels a decode step against
-        783 and give 1.94x the tokens/s. `forward` takes either layout. The sampler calls it per
-        chunk."""
+        783 and give 1.94-2.05x the tokens/s (two runs, docs/gpu). `forward` takes either
+        layout. The sampler calls it per chunk."""
         return transformer.unstack_layers(self.cfg, params)
 
     def init_cache(self, *, batch: int, max_length: int) -> layers.KVCache:
