@@ -1,7 +1,12 @@
 """The earlier default, kept for comparison: reasoning-gym + / - chains of 3-5 terms, worked one
 binary step a line by a perfect teacher, so the warm start's demonstrations already solve the task
-and RL has little of its own to teach (README "The earlier default"). `configs/default.py`
+and RL has little of its own to teach (docs/results/arithmetic.md). `configs/default.py`
 replaced it; this file is that config with the fields that differ set back.
+
+Expected result (measured while it was `make run`, 2 idle cores, 513 s wall; seed 0): held-out
+greedy pass@1 on its 256 held-out prompts 0.742 -> 0.820 after 100 RL steps (3 / 4 / 5 terms
+0.919 / 0.718 / 0.588 -> 0.965 / 0.835 / 0.659), warm-start pass@8 0.930; seeds 1 and 2 go
+0.816 -> 0.828 and 0.781 -> 0.816, +4.2 points on average over the three seeds (+1.2 to +7.8).
 
 Run:  python experiments/run.py --config configs/arithmetic.py
       python experiments/run.py --config configs/arithmetic.py:tiny --workdir /tmp/espo_tiny

@@ -13,8 +13,16 @@ trains the whole "Each Prompt Matters" pipeline against it: curriculum -> pre-fi
 G -> FP8 rollout with length-aware scheduling and overlapped rewards -> shaping -> zero-variance
 elimination -> advantages -> old log-probs with router replay -> ESPO updates -> eval ->
 checkpoint. The held-out test set depends on `data.seed` only, never on `seed`.
+
 Library modules never read this ConfigDict: `espo.config.Settings.from_config` turns each section
 into the frozen, validated dataclass of the module that owns it, before anything compiles.
+
+Expected result (`make run`, 2 idle cores, 529-546 s of `trainer.train`; README "What make run
+shows", docs/make_run/results.md): held-out greedy pass@1 on the 1024 test prompts from the warm
+start's 0.648 to 0.873 after 30 RL steps, a change of +0.225 ± 0.084 [0.141, 0.309] (mean and
+95% Student-t interval over seeds 0, 1, 2: 0.657 -> 0.880, 0.665 -> 0.925, 0.623 -> 0.815),
+process fidelity 0.872. The warm start's recipe run for twice the steps (840 SFT steps, no RL)
+gains +0.021 ± 0.021.
 """
 
 import ml_collections
@@ -118,7 +126,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.train.mini_batch_size = 0  # rows per optimiser update; 0 = the whole batch (one update)
     c.train.micro_batch_size = 64  # rows per forward/backward (exact accumulation)
     c.train.packing = True  # pack whole sequences into micro-batches, not padded rows
-    c.train.max_tokens_per_micro_batch = 2048  # tokens per packed micro-batch (README bench)
+    c.train.max_tokens_per_micro_batch = 2048  # tokens per packed micro-batch (docs/performance.md)
     c.train.router_replay = True  # replay the rollout's experts in old-log-prob and update forwards
     c.train.old_logps = "recompute"  # recompute (trainer params) | sampler (the rollout's)
     c.train.espo_entropy = "old"  # ESPO grouping entropies: old | sampler
@@ -139,7 +147,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # ---- sft: supervised warm start on task demonstrations (skipped from a checkpoint) -----------
     c.sft = ml_collections.ConfigDict()
-    c.sft.steps = 420  # 0 = no warm start (near its plateau: README "What make run shows")
+    c.sft.steps = 420  # 0 = no warm start (near its plateau: docs/testbed/README.md)
     c.sft.batch_size = 64  # demonstrations per step
     c.sft.learning_rate = 4e-3  # AdamW peak (warmup + cosine)
     c.sft.warmup_steps = 20  # linear warmup
@@ -237,7 +245,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # parameters / optimizer state sharded along the model dimension (ZeRO-3)
     c.mesh.expert = 1  # expert parallelism: num_experts / expert experts per device (all-to-all)
 
-    # ---- distributed: jax.distributed.initialize (README "Device mesh") ------------------------
+    # ---- distributed: jax.distributed.initialize (docs/usage.md "Scale-out") ---------------------
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator = ""  # host:port of process 0; "" = one process (or the env's)
     c.distributed.num_processes = 1  # processes in the run

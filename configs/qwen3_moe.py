@@ -8,6 +8,9 @@ tokenizer_config.json (with the chat template) and generation_config.json (its s
 answers are checked with math-verify (`espo.rewards.math.MathReward`). The trained policy is
 exported in Hugging Face format to WORKDIR/export at the end. Variants: "" and "tiny" (the tests
 run it on a random tiny checkpoint they build).
+
+Expected result: none measured yet. No real checkpoint has been trained with this config (the
+documentation reports no such run); the tests check only that the tiny variant trains and exports.
 """
 
 import importlib.util
