@@ -4,7 +4,7 @@
 #   bash experiments/gpu_check.sh [OUT]       (OUT: where the logs and JSON go; default /tmp/gpu)
 #
 # On the lent machine (its own JAX with CUDA, flax, optax, chex, orbax are there) carry the
-# wheels it lacks in .whl (README "On a GPU"): ml_collections, grain, array_record, portpicker,
+# wheels it lacks in .whl (docs/gpu/README.md): ml_collections, grain, array_record, portpicker,
 # tensorboardX. Sections, each under its own time limit so that one hang does not cost the rest:
 #   1. the machine: GPU, driver, JAX and its devices;
 #   2. experiments/bench_moe.py: the optimized HLO of every MoE dispatch path (is XLA's

@@ -16,7 +16,8 @@ A worked solution takes one binary step a line, left to right, and ends with the
 A chain of n terms takes n lines and about 10 n characters. Chain lengths are heavy-tailed:
 P(n) proportional to `terms_decay ** (n - min_terms)`. (A pilot of a "rewrite" format, the
 chain rewritten with its first two terms reduced on each line, reached greedy pass@1 0.15 after
-300 warm-start steps on 3-6 terms, against 0.63 for this one: README "Why this task".)
+300 warm-start steps on 3-6 terms, against 0.63 for this one: docs/testbed/README.md, "How the
+default was chosen".)
 
 The teacher (`teacher_solution`) has one systematic, realistic flaw (`data.teacher_flaw`), made
 with probability `data.teacher_error` at each place it can occur:

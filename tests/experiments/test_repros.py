@@ -172,6 +172,54 @@ def test_make_run_seeds_quick(out):
     assert summaries[0]["start"]["eval/num_prompts"] == summaries[1]["start"]["eval/num_prompts"]
 
 
+def test_sweep_teacher_quick(out):
+    """The teacher sweep on the tiny default: one point, the whole run with that teacher on the
+    dev split, its row in the table."""
+    sweep = _load("sweep_teacher")
+    argv = ["--quick", "--points", "sign:0.5", "--out", str(out / "sweep"), "--no-progress"]
+    data = sweep.main(argv)
+    cfg = json.loads((out / "sweep" / "sign-0.5" / "seed0" / "config.json").read_text())
+    assert cfg["data"]["teacher_flaw"] == "sign" and cfg["data"]["teacher_error"] == 0.5
+    assert cfg["eval"]["split"] == "dev"
+    row = data["sign-0.5"]
+    np.testing.assert_allclose(row["change"], np.subtract(row["pass@1 end"], row["pass@1 start"]))
+    assert "| sign, p=0.5 |" in (out / "sweep" / "results.md").read_text()
+
+
+def test_sweep_teacher_accuracy_is_one_minus_the_dropped_negative_answers():
+    """final_sign drops a negative answer's sign with probability p, so the teacher's accuracy
+    is 1 - p * (the share of negative answers), counted here from the chains themselves."""
+    sweep = _load("sweep_teacher")
+    from espo.data import chains
+
+    base = _load_default().get_config("")
+    d = base.data
+    n = 4000
+    negative = sum(
+        chains.draw(d.seed, i, min_terms=d.min_terms, max_terms=d.max_terms,
+                    decay=d.terms_decay).answer < 0
+        for i in range(n)
+    ) / n  # fmt: skip
+    for p in (0.0, 0.4, 1.0):
+        base.data.teacher_flaw, base.data.teacher_error = "final_sign", p
+        want = 1.0 - p * negative
+        assert sweep.teacher_accuracy(base, n) == pytest.approx(want, abs=0.015), p
+    base.data.teacher_flaw = "none"
+    assert sweep.teacher_accuracy(base, 500) == 1.0
+
+
+@pytest.mark.parametrize("point", ["final_sign:1.5", "typo:0.5", "sign"])
+def test_sweep_teacher_rejects_a_bad_point(point, capsys):
+    sweep = _load("sweep_teacher")
+    with pytest.raises(SystemExit):
+        sweep.main(["--points", point])
+    assert "--points" in capsys.readouterr().err
+
+
+def _load_default():
+    return testing.load_script(ROOT / "configs" / "default.py", name="espo_default_config_test")
+
+
 def test_interval_is_the_student_t_interval_by_hand():
     """[1, 2, 3]: mean 2, sample std 1, t_{0.975, 2} = 4.3027 -> half-width 4.3027 / sqrt(3)."""
     lib = _load("repro_lib")
