@@ -597,7 +597,10 @@ def _prompts(s, curr, host: _Host, encode, *, stage_seed: int) -> Iterator[examp
         known = not np.isnan(rate)
         if not curr.accepts(host.curriculum, e.difficulty, rate if known else None):
             return False
-        if z.prefilter == "off" or not known or z.prefilter_low < rate < z.prefilter_high:
+        low, high = z.prefilter_low, z.prefilter_high
+        if z.prefilter == "off" or not zero_variance.predicted_zero_variance(
+            rate, low=low, high=high
+        ):
             return True
         if z.prefilter == "drop":
             return False

@@ -227,6 +227,14 @@ class PrefilterResult:
     metrics: dict[str, float]
 
 
+def predicted_zero_variance(rates: np.ndarray | float, *, low: float, high: float) -> np.ndarray:
+    """The pre-filter's rule, for `prefilter` and the trainer's prompt stream alike: a prompt whose
+    known pass rate is <= low or >= high is predicted to give a zero-variance group; an unknown
+    rate (NaN) never is."""
+    rates = np.asarray(rates, np.float64)
+    return ~np.isnan(rates) & ((rates <= low) | (rates >= high))
+
+
 def prefilter(
     prompts: Sequence[Prompt],
     table: PassRateTable,
@@ -246,7 +254,7 @@ def prefilter(
         raise ValueError(f"prefilter mode={mode!r}; valid: {PREFILTER_MODES}")
     rates = np.array([table.pass_rates.get(id_fn(p), np.nan) for p in prompts], np.float64)
     known = ~np.isnan(rates)
-    flagged = known & ((rates <= low) | (rates >= high))  # [P] predicted zero-variance
+    flagged = predicted_zero_variance(rates, low=low, high=high)  # [P]
     keep = ~flagged if mode == "drop" else np.ones_like(flagged)
     weights = np.where(flagged & (mode == "downweight"), downweight, 1.0)[keep]
     n = max(len(prompts), 1)

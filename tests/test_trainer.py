@@ -393,3 +393,45 @@ def test_reward_function_names_your_verifier():
         trainer.reward_fn_of(settings("espo.testing:nope"))
     with pytest.raises(config_lib.ConfigError, match=r"reward\.function='no_colon' is invalid"):
         settings("no_colon")
+
+
+class _ListStream:
+    """The part of `stream.PromptStream` `trainer._prompts` reads: take(1, accept=) in order."""
+
+    def __init__(self, examples):
+        self.left = list(examples)
+
+    def take(self, n, *, accept):
+        while self.left:
+            e = self.left.pop(0)
+            if accept(e):
+                return [e]
+        return []
+
+
+@pytest.mark.parametrize(
+    "mode, downweight, want",
+    [("drop", 1.0, ["mixed", "new"]), ("off", 0.1, ["solved", "failed", "mixed", "new"]),
+     ("downweight", 0.0, ["mixed", "new"]),
+     ("downweight", 1.0, ["solved", "failed", "mixed", "new"])],
+)  # fmt: skip
+def test_the_training_stream_prefilters_on_the_pass_rate_history(mode, downweight, want):
+    """trainer._prompts drops (or keeps with probability zve.prefilter_downweight) the prompts
+    whose online pass rate is at or past zve.prefilter_low / _high, and keeps unseen ones."""
+    from types import SimpleNamespace
+
+    from espo.data import examples as examples_lib
+
+    history = zero_variance.PassRateHistory(prior=(1e-6, 1e-6))
+    for pid, rewards in (("solved", [1, 1, 1, 1]), ("failed", [0, 0, 0, 0]), ("mixed", [1, 0])):
+        history.update(zero_variance.Groups.of(prompt_ids=[pid], rewards=[rewards]))
+    exs = [examples_lib.Example(id=i, prompt=i, answer="1", difficulty=0.0,
+                                meta={"answer": "1", "task": "t"})
+           for i in ("solved", "failed", "mixed", "new")]  # fmt: skip
+    zve = SimpleNamespace(prefilter=mode, prefilter_low=0.01, prefilter_high=0.99,
+                          prefilter_downweight=downweight)  # fmt: skip
+    s = SimpleNamespace(zve=zve, max_prompt_length=100)
+    curr = SimpleNamespace(accepts=lambda state, difficulty, rate: True)
+    host = SimpleNamespace(history=history, curriculum=None, stream=_ListStream(exs))
+    got = trainer._prompts(s, curr, host, lambda e: [0], stage_seed=0)
+    assert [e.id for e in got] == want

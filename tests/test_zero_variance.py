@@ -791,3 +791,21 @@ def test_config_is_frozen_and_drives_group_sizes():
     np.testing.assert_array_equal(config.group_sizes([0.05, 0.5, 0.01]), [16, 4, 20])
     with pytest.raises(ValueError, match="batch_size=0"):
         fill([0.5], policy=QuantilePolicy(), batch_size=0)
+
+
+def test_pass_rate_history_prior_is_passes_then_failures():
+    """prior=(a, b) adds a pseudo-passes and b pseudo-failures: (passes + a) / (n + a + b),
+    also when seeded from an offline table (rate * N passes)."""
+    history = zv.PassRateHistory(prior=(2.0, 1.0))
+    history.update(zv.Groups.of(prompt_ids=["a"], rewards=[[1, 1, 1, 0]]))
+    np.testing.assert_allclose(history.pass_rates(["a", "never"]), [5 / 7, np.nan])
+    table = zv.PassRateTable(policy_tag="t", num_samples=4, pass_rates={"b": 0.25})
+    seeded = zv.PassRateHistory.from_table(table, prior=(1.0, 3.0))
+    np.testing.assert_allclose(seeded.pass_rates(["b"]), [2 / 8])
+
+
+def test_predicted_zero_variance_by_hand():
+    rates = np.array([np.nan, 0.0, 0.1, 0.5, 0.9, 1.0])
+    got = zv.predicted_zero_variance(rates, low=0.1, high=0.9)
+    np.testing.assert_array_equal(got, [False, True, True, False, True, True])
+    assert not zv.predicted_zero_variance(0.5, low=0.0, high=1.0)
