@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/default.py
 
-.PHONY: run test lint format clean mutmut
+# test-fast: the inner loop, without the slow, multi-process and GPU tests (pyproject markers).
+.PHONY: run test test-fast lint format clean mutmut
 
 # constraints.txt pins every package to the version the README's numbers were measured with.
 $(VENV)/.installed: setup.py constraints.txt
@@ -23,6 +24,9 @@ test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not multiprocess and not gpu" tests
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format .

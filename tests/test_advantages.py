@@ -52,6 +52,7 @@ def test_group_normalized_by_hand():
     np.testing.assert_allclose(dr, [[0.5, -0.5, -0.5, 0.5], [-3.0, -1.0, 1.0, 3.0]], **TOL)
 
 
+@pytest.mark.slow
 def test_eps_is_added_to_the_std_not_inside_the_square_root():
     # issue 13 #1. R = [0, 0, 0, -1/4096] (a tie broken by a tiny penalty): mean = -1/16384,
     # deviations [1, 1, 1, -3] / 16384, var = 12 / 3 / 16384^2, std = 2/16384 = 1.2207e-4.
@@ -88,6 +89,7 @@ def test_config_errors_name_field_value_and_options():
 # ---------------------------------------------------------------- issue 7 #1: shaping
 
 
+@pytest.mark.slow
 def test_shaping_moves_advantages_only_by_its_own_size():
     # The issue's example: all-wrong group of 8, one response 2 tokens into DAPO's soft overlong
     # band (L_max 1024, L_cache 256): shaping s = [0 x7, -2/256 = -0.0078125].
@@ -229,6 +231,7 @@ def zvp_inputs():
     return rewards, entropies, mask
 
 
+@pytest.mark.slow
 def test_rl_zvp_by_hand():
     # alpha = 0.1.
     # Prompt 0, all correct: A = alpha H = [[0.05, 0.1, 0.2], [0.02, 0.04, pad 0]].
@@ -433,6 +436,7 @@ def ragged_batches(draw, n=12, num_groups=4):
     return rewards, ids, num_groups, valid, shaping, verifiable, cfg
 
 
+@pytest.mark.slow
 @hypothesis.given(ragged_batches())
 def test_ragged_segments_equal_a_per_group_loop(batch):
     rewards, ids, num_groups, valid, shaping, verifiable, cfg = batch
@@ -477,6 +481,7 @@ def test_scaling_rewards_leaves_grpo_advantages_unchanged(batch, c):
     np.testing.assert_allclose(scaled.advantages, out.advantages, rtol=5e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_dense_equals_flat():
     rng = np.random.default_rng(0)
     rewards = rng.integers(0, 2, (5, 4)).astype(np.float32)

@@ -42,6 +42,7 @@ HOST = {
 }
 
 
+@pytest.mark.slow
 def test_round_trip_state_and_host(tmp_path):
     state = _train_state()
     with checkpoint.Checkpointer(tmp_path / "ckpt", every_steps=2, keep=3) as ckpt:
@@ -234,6 +235,7 @@ def _assert_restores_latest(directory, *, at_least):
     return latest
 
 
+@pytest.mark.slow
 def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     proc, err = _start_child(directory, 1, "self_kill", tmp_path)
@@ -247,6 +249,7 @@ def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path)
     assert _assert_restores_latest(directory, at_least=done[-1]) == done[-1]
 
 
+@pytest.mark.slow
 def test_sigkill_at_a_random_moment_leaves_a_restorable_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     rng = random.Random(0)

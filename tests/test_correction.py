@@ -249,6 +249,7 @@ def close(got, want):
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=30)
 @hypothesis.given(cfg=configs, seed=seeds)
 def test_sampler_equal_to_old_changes_nothing(cfg, seed):
@@ -269,6 +270,7 @@ def test_sampler_equal_to_old_changes_nothing(cfg, seed):
     chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=40)
 @hypothesis.given(cfg=configs, seed=seeds, fill=st.sampled_from([np.nan, np.inf, 1e9]))
 def test_rejected_token_is_a_masked_token(cfg, seed, fill):
@@ -297,6 +299,7 @@ def test_rejected_token_is_a_masked_token(cfg, seed, fill):
     assert not np.asarray(got[2])[rejected].any()  # no gradient on a rejected token
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=30)
 @hypothesis.given(cfg=configs, seed=seeds, split=st.lists(st.booleans(), min_size=B, max_size=B))
 def test_micro_batches_accumulate_exactly_with_rejection(cfg, seed, split):
@@ -323,6 +326,7 @@ def test_micro_batches_accumulate_exactly_with_rejection(cfg, seed, split):
     log_w=st.floats(-0.3, 0.15),
     mode=st.sampled_from(["token", "sequence"]),
 )
+@pytest.mark.slow
 def test_constant_weight_scales_the_policy_gradient_term_not_the_kl(loss, seed, log_w, mode):
     # sampler = old - log_w everywhere: w = e^log_w (below the cap 1.2) on every token, so each
     # loss's policy-gradient term, value and gradient, is scaled by w, and the KL term is not:

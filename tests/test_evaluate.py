@@ -55,6 +55,7 @@ def _run(fake, prompts, *, reward, cfg, key=0, **kw):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_counting_model_metrics_by_hand():
     # Completions (EOS 7 included, budget 4): 4567, 67, 7, 3456 (cut by the budget), 567.
     prompts = [[1, 3], [5], [2, 6], [1, 2], [4]]
@@ -81,6 +82,7 @@ def test_counting_model_metrics_by_hand():
     ]
 
 
+@pytest.mark.slow
 def test_pass_at_k_and_avg_at_k_differ_by_hand():
     """A reward right on the 2nd sampled completion of prompt 0 only (the fake repeats itself,
     so the reward counts its calls per prompt: call 1 is greedy, calls 2..4 the k=3 samples):
@@ -162,6 +164,7 @@ def test_sampled_prompts_limits_the_sampled_pass_to_the_first_prompts():
         evaluate.EvalConfig(max_new_tokens=4, sampled_prompts=-1)
 
 
+@pytest.mark.slow
 def test_a_reward_of_one_half_is_not_correct():
     cfg = evaluate.EvalConfig(samples=2, max_new_tokens=4, batch_size=2)
     got = _run(testing.CountingModel(), [[3], [5]], reward=lambda p, c, m: 0.5, cfg=cfg)
@@ -169,6 +172,7 @@ def test_a_reward_of_one_half_is_not_correct():
     assert got["eval/reward_mean"] == 0.5
 
 
+@pytest.mark.slow
 def test_samples_1_keeps_the_greedy_pass_at_1():
     reward = Recorder(correct=lambda completion, meta: completion == "0")  # greedy: argmax = 0
     cfg = evaluate.EvalConfig(samples=1, max_new_tokens=1, batch_size=2)
@@ -177,6 +181,7 @@ def test_samples_1_keeps_the_greedy_pass_at_1():
     assert got["eval/avg@1"] < 1.0 and "eval/pass@1" in got and len(got) == 7
 
 
+@pytest.mark.slow
 def test_batches_get_different_keys_and_pass_k_bounds_avg_k():
     # Identical prompts, one per sampler call: only the key tells the calls apart.
     P, k = 6, 4
@@ -202,6 +207,7 @@ def test_batches_get_different_keys_and_pass_k_bounds_avg_k():
     assert other.calls[P:] != sampled
 
 
+@pytest.mark.slow
 def test_no_recompile_on_later_calls_and_a_padded_last_batch():
     fake = testing.CountingModel(spread=1e-3)  # a model no other test compiled for
     # Prompt 0 needs the 32 bucket (the others fit in 16): every batch is padded to 32.
@@ -225,6 +231,7 @@ def test_no_recompile_on_later_calls_and_a_padded_last_batch():
 CFG = model.ModelConfig.tiny(vocab_size=64, num_layers=1)
 
 
+@pytest.mark.slow
 def test_real_model_greedy_matches_the_sampler_and_does_not_recompile():
     params = model.init(CFG, jax.random.key(0))
     rng = np.random.RandomState(0)

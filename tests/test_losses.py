@@ -111,6 +111,7 @@ def verl_gspo(logps, old_logps, advantages, mask, *, lo, hi, **_):
 
 
 # ---- hand-derived values ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_grpo_clip_higher_by_hand():
     # r = [1.5, 0.5, 1.1], A = +1, clip range [0.8, 1.28]:
     # pg1 = -A r = [-1.5, -0.5, -1.1]; pg2 = -A clip(r) = [-1.28, -0.8, -1.1]
@@ -249,6 +250,7 @@ ESPO_HAND = dict(
 )
 
 
+@pytest.mark.slow
 def test_espo_gspo_token_by_hand():
     # Top 20% of 5 tokens = 1 token: group 0 = {entropy 2.0}, group 1 = the other 4.
     # eps_0 = 0.1 * 2.0 = 0.2; eps_1 = 0.1 * mean(0.1, 0.5, 0.2, 0.3) = 0.0275.
@@ -359,6 +361,7 @@ MICRO_BATCH_CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", MICRO_BATCH_CONFIGS, ids=lambda c: "-".join(map(str, c.values())))
 def test_micro_batches_accumulate_exactly(cfg):
     # Wrong answer: the mean of the two halves' losses, which weights halves equally.
@@ -398,6 +401,7 @@ def test_gspo_equals_grpo_when_token_ratios_are_constant_per_sequence():
     np.testing.assert_allclose(grpo[1], gspo[1], **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_groups", [1, 2])
 def test_espo_with_one_group_is_gspo_with_symmetric_eps(num_groups):
     # num_groups=1 is one group per sequence; num_groups=2 with all-equal entropies is too (ties
@@ -413,6 +417,7 @@ def test_espo_with_one_group_is_gspo_with_symmetric_eps(num_groups):
     assert 0.0 < float(espo[2].metrics["clip_frac"]) < 1.0
 
 
+@pytest.mark.slow
 def test_entropy_groups():
     groups = functools.partial(losses.entropy_groups, top_frac=0.2)
     # Row 0: 5 valid tokens (the padded 100 must not move any threshold); row 1: 3 valid tokens.
@@ -466,6 +471,7 @@ def test_finite_at_extreme_ratios(cfg):
     assert all(np.isfinite(float(v)) for v in out.metrics.values())
 
 
+@pytest.mark.slow
 def test_jit_matches_eager():
     cfg = losses.LossConfig(name="espo", vocab_size=1000, num_groups=3)
     batch = {k: jnp.asarray(v, jnp.float32) for k, v in random_batch(8).items()}

@@ -99,6 +99,7 @@ def test_k3_far_from_the_reference_saturates_with_a_zero_gradient():
     np.testing.assert_allclose(grad, [[0.0, 1.0 - math.exp(0.5)]], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_clip_indicators_count_only_tokens_whose_advantage_the_clip_silences():
     cfg = losses.LossConfig(name="grpo", clip_low=0.2, clip_high=0.3)
     # ratios e^d: 0.5 (below 0.8), 2.0 (above 1.3), 0.5, 2.0, 1.0; advantages -1, +1, 0, 0, +1.
@@ -109,6 +110,7 @@ def test_clip_indicators_count_only_tokens_whose_advantage_the_clip_silences():
     np.testing.assert_allclose(m["clip_frac"], 2 / 5, rtol=1e-6)  # low + high
 
 
+@pytest.mark.slow
 def test_approx_kl_and_ppo_kl_hand_values_and_clamp():
     cfg = losses.LossConfig(name="grpo")
     # d = logp - old = [0.5, -1]: approx_kl = mean(expm1(d) - d)

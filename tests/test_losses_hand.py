@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 from espo import losses
@@ -19,6 +20,7 @@ from espo import losses
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 class HandTest(parameterized.TestCase):
     def run_loss(self, cfg, logps, **kw):
         """(loss, d loss / d logps, LossOutput) of compute_loss under the current variant."""

@@ -97,6 +97,7 @@ def assert_same(got, want):
     chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 class AdversarialPaddingTest(parameterized.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*NAMED_CONFIGS)
@@ -145,6 +146,7 @@ class AdversarialPaddingTest(parameterized.TestCase):
             chex.assert_tree_all_finite(out.metrics)
 
 
+@pytest.mark.slow
 class OverlongFilterTest(parameterized.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*NAMED_CONFIGS)

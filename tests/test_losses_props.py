@@ -15,6 +15,7 @@ import hypothesis
 import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from espo import losses
 from espo.testing import num_den_grad
@@ -64,6 +65,7 @@ configs = st.sampled_from(MICRO_BATCH_CONFIGS).map(lambda c: losses.LossConfig(*
 seeds = st.integers(0, 2**16)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=30)
 @hypothesis.given(cfg=configs, seed=seeds, split=st.lists(st.booleans(), min_size=B, max_size=B))
 def test_micro_batches_accumulate_exactly_for_any_split(cfg, seed, split):
@@ -99,6 +101,7 @@ def test_permuting_rows_permutes_gradient_and_keeps_loss(cfg, seed, perm):
     agg=st.sampled_from(losses.AGG_MODES),
     log_r=st.lists(st.floats(-0.5, 0.5), min_size=B, max_size=B),
 )
+@pytest.mark.slow
 def test_gspo_with_constant_ratio_per_sequence_is_grpo(seed, agg, log_r):
     # log r_{i,t} = c_i for every token: GRPO's token ratio r_t = exp(c_i) = GSPO's s_i, so the
     # same clip range and aggregation give the same value and gradient (per-row advantages).
@@ -112,6 +115,7 @@ def test_gspo_with_constant_ratio_per_sequence_is_grpo(seed, agg, log_r):
     np.testing.assert_allclose(gspo[1], grpo[1], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=25)
 @hypothesis.given(seed=seeds, entropy=st.floats(0.1, 3.0))
 def test_espo_with_one_group_is_gspo_with_symmetric_eps(seed, entropy):

@@ -112,6 +112,7 @@ UPDATE_CASES = [
 ] + [pytest.param(LOSS_CONFIGS[5], {}, False, id="espo-plain-free")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss, correction, replay", UPDATE_CASES)
 def test_packed_update_equals_padded_update(loss, correction, replay):
     batch, params, _ = _batch()
@@ -123,6 +124,7 @@ def test_packed_update_equals_padded_update(loss, correction, replay):
     _assert_same_update(testing.sgd_update(sc, params, mini), padded)
 
 
+@pytest.mark.slow
 def test_aux_loss_equal_when_one_packed_micro_batch_holds_the_mini_batch():
     # The router aux / z losses are means over a micro-batch's real tokens: with the whole
     # mini-batch in one packed micro-batch (6 rows of 10) and in one padded micro-batch they are
@@ -143,6 +145,7 @@ def test_aux_loss_equal_when_one_packed_micro_batch_holds_the_mini_batch():
     [(LOSS_CONFIGS[4] | CORRECTIONS[1], True), (LOSS_CONFIGS[1], False)],
     ids=["gspo-tis-replay", "grpo-free"],
 )
+@pytest.mark.slow
 def test_packed_update_with_two_rows_per_micro_batch(loss, replay):
     # A budget of 20 = 2 rows of 10: the 5 rows in ceil(5 / 2) = 3 micro-batches, rounded up to
     # 4 (the last all padding); each micro-batch's loss reads its own two rows' sequences only.
@@ -156,6 +159,7 @@ def test_packed_update_with_two_rows_per_micro_batch(loss, replay):
     _assert_same_update(testing.sgd_update(sc, params, mini), padded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "free"])
 def test_packed_prepare_equals_padded_prepare(replay):
     batch, params, ref = _batch()
@@ -173,6 +177,7 @@ def test_packed_prepare_equals_padded_prepare(replay):
     assert float(want_m["mismatch/router_agreement"]) > 0
 
 
+@pytest.mark.slow
 def test_bounded_shapes_no_recompile_after_warm_up(in_memory_compiles):
     # Batches of other lengths reuse the compiled update when their packed rows round up to a
     # bucket already seen (powers of two up to N: at most log2(8) + 1 = 4 shapes).
@@ -201,6 +206,7 @@ def test_bounded_shapes_no_recompile_after_warm_up(in_memory_compiles):
     assert update._cache_size() == len(set(buckets) | {8})
 
 
+@pytest.mark.slow
 def test_a_sequence_over_the_budget_is_an_error_naming_it_and_the_budget():
     batch, _, _ = _batch()
     with pytest.raises(
@@ -242,6 +248,7 @@ def test_packing_config_errors_name_the_key():
         config_lib.Settings.from_config(_config(max_tokens_per_micro_batch=40, packing=True))
 
 
+@pytest.mark.slow
 def test_trainer_packed_step_equals_padded_step(tmp_path, monkeypatch):
     # One RL step of the tiny config: same rollout, same prepared batch, so the same loss
     # before the update; the packed run really packs (prepare's layout, the mini-batch's).

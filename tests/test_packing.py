@@ -65,6 +65,7 @@ def batches(draw):
     return mask, budget, draw(st.integers(0, 2**16))
 
 
+@pytest.mark.slow
 @hypothesis.given(batches())
 def test_pack_unpack_round_trip(case):
     mask, budget, seed = case
@@ -119,6 +120,7 @@ def packed_and_unpacked(cfg: losses.LossConfig):
     return f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("correction", CORRECTIONS, ids=["plain", "tis"])
 @pytest.mark.parametrize("loss", LOSS_CONFIGS, ids=lambda c: c["name"] + str(c.get("agg", "")))
 def test_loss_on_unpacked_forward_equals_unpacked_loss(loss, correction):

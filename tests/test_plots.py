@@ -100,6 +100,7 @@ def test_layout_groups_metrics_into_panels():
     ]
 
 
+@pytest.mark.slow
 def test_plot_run_writes_one_png_per_present_panel(tmp_path):
     _write_run(tmp_path)
     paths = plots.plot_run(tmp_path)
@@ -117,6 +118,7 @@ def test_plot_run_errors_name_the_file(tmp_path):
         plots.plot_run(tmp_path)
 
 
+@pytest.mark.slow
 def test_cli_prints_the_pngs(tmp_path):
     _write_run(tmp_path / "run", steps=3)
     cmd = [sys.executable, str(_REPO / "experiments" / "plot.py")]

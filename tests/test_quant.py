@@ -149,6 +149,7 @@ class Fp8Test(chex.TestCase):
         np.testing.assert_allclose(dq[:, 1:], w[:, 1:], rtol=2.0**-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["channel", "block"])
 def test_scale_shapes_and_values_for_every_weight_kind(granularity):
     """Every matmul weight of a model with attention, routed + shared experts and a dense MLP."""
@@ -195,6 +196,7 @@ def test_scale_shapes_and_values_for_every_weight_kind(granularity):
         assert leaf.dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_saturation_bound_is_e4m3_max_and_absmax_maps_to_it():
     assert quant.FP8_MAX == E4M3_MAX == 448.0
     w = _spread_weight((16, 4), -2.0, 3.0)
@@ -219,6 +221,7 @@ def test_plain_cast_overflows_to_nan_but_quantize_saturates():
     chex.assert_tree_all_finite(q.astype(jnp.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["channel", "block"])
 def test_zero_and_tiny_channels_stay_finite(granularity):
     # A channel whose absmax is below 448 * 2^-126 (float32's smallest normal) would get a scale
@@ -239,6 +242,7 @@ def test_zero_and_tiny_channels_stay_finite(granularity):
     np.testing.assert_array_equal(z.scales, 1.0)
 
 
+@pytest.mark.slow
 def test_tree_layout_bytes_and_mismatch():
     cfg = model.ModelConfig.tiny(param_dtype="bfloat16", dtype="bfloat16", num_layers=2)
     params = model.init(cfg, jax.random.key(0))

@@ -56,6 +56,7 @@ def _run(reward_pool, fake, **kw):
     return rollout.generate_and_score(fake, None, **(args | kw))
 
 
+@pytest.mark.slow
 def test_exact_rollout_continuations_rewards_and_trace(reward_pool):
     # A predictor that guesses 4 tokens: chunks get budget 8 and long rows must be continued.
     short = scheduling.LengthPredictor(default_length=4)
@@ -105,6 +106,7 @@ def test_exact_rollout_continuations_rewards_and_trace(reward_pool):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_new_compiles_counts_the_sampler_compilations_of_the_call(reward_pool):
     fake = testing.CountingModel(vocab=V)
     before = sampler.compile_count()
@@ -114,6 +116,7 @@ def test_new_compiles_counts_the_sampler_compilations_of_the_call(reward_pool):
     assert again.metrics["rollout/new_compiles"] == 0
 
 
+@pytest.mark.slow
 def test_host_detokenization_gives_the_same_rollout(reward_pool):
     fake = testing.CountingModel(vocab=V)
     in_workers = _run(reward_pool, fake)
@@ -180,6 +183,7 @@ class _BatchRecorder(_Wrapper):
         return self.inner.forward(params, tokens, **kw)
 
 
+@pytest.mark.slow
 def test_chunks_decode_in_their_planned_batch(reward_pool):
     """Every chunk decodes at its bucketed batch (its rows, then copies of its first row up to
     the batch size): the compiled batches are the plan's, never above max_chunk_size."""
@@ -201,6 +205,7 @@ def test_fifo_and_length_aware_agree_and_waste_less(reward_pool):
     assert aware.metrics["rollout/padding_waste"] < fifo.metrics["rollout/padding_waste"]
 
 
+@pytest.mark.slow
 def test_chunks_are_balanced_over_the_shards(reward_pool, monkeypatch):
     """num_shards reaches every plan (first wave and continuations) and the metrics."""
     seen = []
@@ -309,6 +314,7 @@ class _SignallingPool:
         return self.inner.metrics()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_rewards_overlap_generation(tmp_path):
     """A reward of an early chunk starts, a decode step runs, then the reward ends.
@@ -389,6 +395,7 @@ def _run_tiny(params, reward_pool, *, key=0, temperature=1.0, group_sizes=(4, 3)
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_chunks_draw_independently_and_a_key_reproduces(params, reward_pool):
     """G=4 samples of prompt 0 fill chunks (0, 1) and (2, 3): rows 0 and 2 sit at chunk row 0 in
     two chunks. With one key for every chunk they would be identical (a fake zero-variance
@@ -402,6 +409,7 @@ def test_chunks_draw_independently_and_a_key_reproduces(params, reward_pool):
     assert not np.array_equal(other.tokens, out.tokens)
 
 
+@pytest.mark.slow
 def test_logps_and_entropies_equal_a_recompute_on_continued_rows(params, reward_pool):
     """Per-token log-probs and entropies, prefix positions of continued rows included, equal a
     full forward of the model over the returned prompt + completion:
@@ -483,6 +491,7 @@ def test_every_bad_argument_is_refused_before_decoding_with_its_whole_message(
     assert str(error.value) == message
 
 
+@pytest.mark.slow
 def test_arguments_at_the_edge_of_what_is_valid_are_accepted(reward_pool):
     """max_new_tokens equal to the largest generation bucket, chunks of one row, numpy integers
     for the counts, one int G for every prompt."""
@@ -519,6 +528,7 @@ def test_rollouts_differing_in_text_share_one_compile(reward_pool):
     chex.assert_trees_all_equal_structs(first.rollout, other.rollout)
 
 
+@pytest.mark.slow
 def test_continued_rows_keep_their_prefix_so_lengths_follow_the_policy(reward_pool):
     """Rows continue from what they generated, so the lengths are the policy's. Here a uniform
     policy over 8 tokens, one of them the stop id: lengths are geometric, P(L <= 4) = 1 - (7/8)^4
@@ -551,6 +561,7 @@ class _Clock:
         return self.calls / 64
 
 
+@pytest.mark.slow
 def test_timings_add_up_every_hand_off_on_a_fake_clock(reward_pool, monkeypatch):
     """On a clock that ticks once per reading, the timings are counts of readings: the call
     reads t0, then two per hand-off (one per chunk), then t_generated and t_end, so

@@ -25,6 +25,7 @@ from espo import model, quant, sampler, scheduling, sharding, testing, train_ste
 EOS, PAD = 5, 0
 
 
+@pytest.mark.slow
 def test_fake_model_exact_sequences_eos_and_trace():
     prompts = np.array([[1, 2, 0], [4, 5, 6]])
     out = sampler.sample(
@@ -46,6 +47,7 @@ def test_fake_model_exact_sequences_eos_and_trace():
     np.testing.assert_array_equal(out.router.expert_ids[:, 0, :, 0], want_ids)
 
 
+@pytest.mark.slow
 def test_a_row_stops_at_any_of_the_stop_ids():
     """Stop ids 3 and 6: prompt 0 (last token 1) reaches 3 first, prompt 1 (last 4) reaches 6
     first (a sampler checking only the first stop id runs it on), prompt 2 (last 6, a stop id
@@ -138,6 +140,7 @@ def test_sample_names_a_bad_num_samples_or_an_empty_prompt(num_samples, lengths,
         )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_fake_cache_has_the_real_layout_and_aux():
     """The fake's KV cache is laid out as `layers.init_cache` lays out a real one ([L, B, N, S,
     Dh]) and holds each token id at its slot and row; its aux is a real ModelAux."""
@@ -203,6 +206,7 @@ def _sample_fake(fake, *, key=0, num_samples=4, max_new_tokens=16, gen_bucket=16
     return sampler.sample(fake, None, prompts, np.array([2, 3, 3]), **(args | kw))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("temperature", "top_p", "top_k"),
     [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.5, 1.0, 3), (1.3, 0.9, 4), (0.0, 1.0, 0)],
@@ -230,6 +234,7 @@ def test_soft_fake_logps_entropies_and_trace_equal_a_recompute(temperature, top_
         assert len({tuple(r) for r in np.asarray(out.tokens)}) > 6
 
 
+@pytest.mark.slow
 def test_randomness_across_rows_steps_and_keys():
     """Uniform logits over 8 tokens, 16 rows x 32 steps, EOS never sampled.
 
@@ -289,6 +294,7 @@ def _prefix_of(out: sampler.SampleOutput) -> sampler.Prefix:
     )
 
 
+@pytest.mark.slow
 def test_soft_fake_continuing_greedy_in_chunks_equals_one_pass():
     # Last prompt tokens 3, 2, 0 reach EOS (7) after 4, 5, 7 tokens; budget 6 cuts the last.
     # Chunks of 3 then 6: every row is unfinished after the first (as the rollout continues).
@@ -324,6 +330,7 @@ def test_soft_fake_continuing_greedy_in_chunks_equals_one_pass():
     np.testing.assert_allclose(ragged.entropies, whole.entropies, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_soft_fake_sampled_continuation_keeps_prefix_logps_and_entropies():
     """Sampled chunks of 3, 7 then 12 tokens: each continuation keeps its prefix's log-probs
     and entropies as they were and its new ones equal the recompute (EOS never sampled)."""
@@ -391,6 +398,7 @@ def _next_token_logits(params, out):
     return _forward(params, tokens, attention_mask=mask).logits[:, Tp - 1 : -1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.7, 0.9, 20)])
 def test_logps_entropies_and_trace_equal_the_full_forward(params, temperature, top_p, top_k):
     out = _sample(params, temperature=temperature, top_p=top_p, top_k=top_k)
@@ -418,6 +426,7 @@ def test_logps_entropies_and_trace_equal_the_full_forward(params, temperature, t
     np.testing.assert_allclose(replay.logits[mask], full.logits[mask], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_greedy_is_argmax_of_the_full_forward(params):
     out = _sample(params, temperature=0.0)
     logits = _next_token_logits(params, out)
@@ -429,6 +438,7 @@ def test_greedy_is_argmax_of_the_full_forward(params):
     np.testing.assert_array_equal(_sample(params, top_p=1e-6).tokens, out.tokens)
 
 
+@pytest.mark.slow
 def test_seed_reproducibility(params):
     a, b = _sample(params), _sample(params)
     np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -436,6 +446,7 @@ def test_seed_reproducibility(params):
     assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
 
 
+@pytest.mark.slow
 def test_top_k_restricts_the_support(params):
     out = _sample(params, top_k=3, max_new_tokens=8)
     logits = _next_token_logits(params, out)
@@ -443,12 +454,14 @@ def test_top_k_restricts_the_support(params):
     assert int(jnp.max(jnp.where(out.mask, rank, 0))) < 3
 
 
+@pytest.mark.slow
 def test_fp8_params_sample_transparently(params):
     qparams = quant.quantize_fp8(params)
     out = _sample(qparams, temperature=0.0)
     assert out.tokens.shape == (6, 16) and int(out.lengths.max()) <= 12
 
 
+@pytest.mark.slow
 def test_decode_loop_reads_the_model_decode_params_layout(params):
     # `Model.decode_params` splits the scanned [L, ...] weights per layer (read in place by the
     # decode loop, which then runs no loop over the layers), and the sampler
@@ -468,6 +481,7 @@ def test_decode_loop_reads_the_model_decode_params_layout(params):
     chex.assert_trees_all_equal(out, stacked)
 
 
+@pytest.mark.slow
 def test_buckets_bound_compiles_and_budget(params):
     _sample(params, max_new_tokens=12)
     before = sampler.compile_count()
@@ -504,6 +518,7 @@ def test_buckets_bound_compiles_and_budget(params):
         )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_continuing_from_a_prefix_equals_one_pass(params):
     """Budget 4, then continue the unfinished rows from their prefixes: same as one pass."""
     prompts, mask = sampler.left_pad(PROMPTS, LENGTHS, width=16, pad_id=0)

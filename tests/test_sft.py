@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from espo import model as model_lib
 from espo import sft
@@ -59,6 +60,7 @@ def test_packed_batch_holds_every_demonstration_once_in_multiples_of_eight_rows(
     assert packed["loss_mask"].sum() == many["loss_mask"].sum()
 
 
+@pytest.mark.slow
 def test_packed_nll_and_gradient_equal_the_padded_batch():
     params = model_lib.init(CFG, jax.random.key(0))
     padded = _demonstrations(seed=1)

@@ -104,6 +104,8 @@ def test_an_unknown_parameter_is_an_error_naming_it():
         sharding.logical_axes({"k_proj": jax.ShapeDtypeStruct((16, 8), "f4")})
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sharded_steps_equal_the_single_device_run():
     env = testing.emulated_devices_env(8)
     # One mesh keeps the suite short: (2, 2, 2) shards all three axes at once;

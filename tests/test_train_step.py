@@ -49,6 +49,7 @@ def reference(tokens, mask, temperature=1.0):
     return np.concatenate([pad, taken], 1), np.concatenate([pad, entropy], 1), real
 
 
+@pytest.mark.slow
 class TokenLogpsTest(parameterized.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_equals_a_plain_recompute(self):
@@ -76,6 +77,7 @@ class TokenLogpsTest(parameterized.TestCase):
         assert np.abs(np.asarray(logps)[real] - untempered[real]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_padding_tokens_reach_no_real_position():
     # Whatever ids the padding holds, the log-probs / entropies of real positions are the same.
     tokens, mask = inputs()
@@ -85,6 +87,7 @@ def test_padding_tokens_reach_no_real_position():
     chex.assert_trees_all_close(got.entropies, want.entropies, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_logps_carry_the_gradient_and_entropies_do_not():
     tokens, mask = inputs()
     routing = forward(params(), tokens, attention_mask=mask).router
@@ -107,6 +110,7 @@ def test_logps_carry_the_gradient_and_entropies_do_not():
     assert all(not np.asarray(x).any() for x in jax.tree.leaves(g_old))
 
 
+@pytest.mark.slow
 def test_replaying_the_rollout_reproduces_the_sampler():
     # The sampler's logps[t] come from the logits at t-1 of the decode, temperature-scaled;
     # old_logps over training_inputs() with the rollout's trace replayed gives the same numbers
@@ -150,6 +154,7 @@ def test_entropy_config_and_selection():
     np.testing.assert_array_equal(grad, 0.0)
 
 
+@pytest.mark.slow
 def test_rl_zvp_with_current_entropies_from_the_training_forward():
     # The wiring the trainer uses: per-row advantages (+ zvp_sign) from advantages.compute on
     # the host batch, token advantages from the current policy's entropies in the loss forward.

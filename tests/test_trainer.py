@@ -76,6 +76,7 @@ def straight(tmp_path_factory):
     return workdir, _train_3_steps(workdir)
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_what_a_user_sees(straight):
     workdir, summary = straight
     rows = metrics.read_jsonl(workdir / "metrics.jsonl")
@@ -99,6 +100,7 @@ def test_tiny_run_writes_what_a_user_sees(straight):
     assert list((workdir / "tensorboard").rglob("events.out.tfevents*"))
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_reports_its_final_eval(straight, tmp_path, monkeypatch):
     """The same command after the run finished trains nothing and summarises the same run: the
     final eval is evaluated again on the restored final params with the same key (it once
@@ -114,6 +116,7 @@ def test_rerunning_a_finished_run_reports_its_final_eval(straight, tmp_path, mon
     assert _comparable(tmp_path / "again") == _comparable(workdir)  # no step written again
 
 
+@pytest.mark.slow
 def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypatch):
     """model.init_from: the arms of an experiment share one warm start. The new run reads only
     the params of the source's newest checkpoint (no SFT), so its step-0 eval (same seed, same
@@ -154,6 +157,7 @@ def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypat
         config_lib.Settings.from_config(_config(model__init_from="a", model__hf_path="b"))
 
 
+@pytest.mark.slow
 def test_warm_start_trains_on_the_worked_solutions(tmp_path, monkeypatch):
     """The SFT targets are the demonstrations (steps, then the answer line), not the bare
     answers; a budget no demonstration fits is an error naming both limits. The held-out eval of
@@ -194,6 +198,7 @@ def test_shuffled_rewards_permute_the_valid_rows_only():
     np.testing.assert_array_equal(again, trainer._shuffled(rewards, ok, jax.random.key(3)))
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(straight, tmp_path):
     """2 steps + checkpoint + 1 more step == 3 straight steps (the step-3 checkpoint removed)."""
     _resume_from_step_2(straight[0], tmp_path / "resumed")
@@ -209,6 +214,7 @@ CARRY_OVER = dict(zve__mode="resample", zve__max_carry_over_steps=2, zve__oversa
                   file="arithmetic")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_resume_with_carried_over_groups_equals_uninterrupted(tmp_path):
     """The resample buffer (groups with their rollout rows) is checkpointed: a run that resumes
     at step 2 serves step 3 from the same carried-over groups as the uninterrupted run.
@@ -227,6 +233,8 @@ def test_resume_with_carried_over_groups_equals_uninterrupted(tmp_path):
     _assert_same_runs(_comparable(tmp_path / "resumed"), _comparable(tmp_path / "straight"))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sigkill_mid_step_then_rerun_equals_uninterrupted(straight, tmp_path):
     """kill -9 while step 3 runs; the same command again continues as if never stopped."""
     workdir = tmp_path / "killed"
@@ -257,6 +265,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_processes_with_expert_parallelism_equal_one_process(straight, tmp_path):
     """The same 3 steps (warm start, FP8 rollouts, replay, updates, eval) as 2 processes of 4
     emulated CPU devices (jax.distributed, gloo), one mesh data=2 x expert=4 over all 8: batches
@@ -289,6 +299,7 @@ def test_two_processes_with_expert_parallelism_equal_one_process(straight, tmp_p
     _assert_same_runs(_comparable(resumed), _comparable(straight[0]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flag", "expected"),
     [
@@ -319,6 +330,7 @@ class _Evals(Exception):
     pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("eval_file", [False, True])
 def test_eval_takes_the_test_half_or_a_held_out_file_whole(tmp_path, monkeypatch, eval_file):
     """Split by data.eval_fraction, the eval prompts are the held-out set's test half; a
@@ -354,6 +366,7 @@ def test_malformed_data_is_an_error_naming_file_and_line(tmp_path):
         trainer.train(cfg, str(tmp_path / "run"), progress=False)
 
 
+@pytest.mark.slow
 def test_qwen3_moe_tiny_trains_and_its_export_loads_in_transformers(tmp_path):
     import torch
     import transformers

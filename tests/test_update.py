@@ -53,6 +53,7 @@ def _update(sc, params, batch):
     return testing.sgd_update(sc, params, batching.split(batch, N // sc.micro_batch_size))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, loss", [("espo", {}), ("grpo", {}), ("gspo", CORRECTION)], ids=["espo", "grpo", "tis"]
 )
@@ -77,6 +78,7 @@ def test_micro_batches_accumulate_exactly(name, loss):
     assert abs(np.mean([o.loss for o in outs]) - float(m1["loss/loss"])) > 1e-4
 
 
+@pytest.mark.slow
 def test_update_gradient_matches_loss_by_hand():
     """The SGD step is -grad of (sum num + sum den * aux) / sum den computed directly."""
     batch, params = _batch(1)
@@ -92,6 +94,7 @@ def test_update_gradient_matches_loss_by_hand():
     chex.assert_trees_all_close(new.params, expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_router_replay_changes_the_update():
     """With replay the update forward routes by the trace; a different trace changes it."""
     batch, params = _batch(2)
@@ -110,6 +113,7 @@ def test_router_replay_changes_the_update():
     assert diff(free_a, free_b) == 0.0  # free routing ignores the trace
 
 
+@pytest.mark.slow
 def test_prepare_mismatch_and_advantages():
     """pi_old under replay of the model's own routes = its free forward; mismatch by hand."""
     batch, params = _batch(3)
@@ -134,6 +138,7 @@ def test_prepare_mismatch_and_advantages():
     assert float(m2["mismatch/router_agreement"]) < 0.95
 
 
+@pytest.mark.slow
 def test_correction_reaches_the_loss_and_prepare_reports_it():
     """The train step's loss uses the rollout's log-probs (rejection changes the denominator),
     and prepare's mismatch/* correction metrics match NumPy on the recomputed pi_old."""
@@ -165,6 +170,7 @@ def test_correction_reaches_the_loss_and_prepare_reports_it():
     assert float(loss_out.denominator) == kept.sum() < np.asarray(micro.loss_mask).sum()
 
 
+@pytest.mark.slow
 def test_prepare_sampler_old_logps():
     batch, params = _batch(4)
     sc = dataclasses.replace(_sc(4), old_logps="sampler")

@@ -86,6 +86,7 @@ def test_prompt_id_is_stable_and_order_free():
     assert zv.prompt_id("text") == zv.prompt_id("text") != zv.prompt_id("text ")
 
 
+@pytest.mark.slow
 def test_zero_variance_agrees_with_advantages_compute():
     # The host rule (is_informative) and the device rule (advantages.compute) are one rule:
     # verifier rewards of valid samples, max - min <= atol, >= 2 valid for any signal.

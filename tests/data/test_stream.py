@@ -71,6 +71,7 @@ def test_accept_filter_consumes_and_counts_rejected(make_source):
     assert _ids(s.take(2)) == plain[len(prefix) : len(prefix) + 2]
 
 
+@pytest.mark.slow
 def test_take_stops_after_max_draws(make_source):
     s = stream.PromptStream(make_source(5, num_skipped=2), seed=0)
     assert s.take(3, accept=lambda e: False) == []  # default cap: 100 * n draws

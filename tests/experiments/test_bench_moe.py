@@ -42,6 +42,7 @@ def test_kernels_per_iteration_count_inner_loops_by_their_trip_counts(bench):
     assert (c - b) // 40 >= 3
 
 
+@pytest.mark.slow
 def test_hlo_summary_sees_xla_cpu_run_ragged_dot_dense_over_the_experts(bench):
     d = f = 64
     experts, top_k = 8, 2

@@ -17,6 +17,7 @@ def bench():
     return testing.load_script(PATH)
 
 
+@pytest.mark.slow
 def test_gpu_bandwidth_path_runs_on_a_tiny_config(bench):
     cfg = model.ModelConfig.tiny(param_dtype="bfloat16", dtype="bfloat16")
     out = bench.gpu_decode_bandwidth(cfg, batch=2, new_tokens=16, repeats=1)
@@ -24,6 +25,7 @@ def test_gpu_bandwidth_path_runs_on_a_tiny_config(bench):
         assert out[name]["tokens_per_s"] > 0 and out[name]["GB_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_padding_waste_section_decode_slots_beat_fifo(bench):
     pw = bench.padding_waste(num_prompts=16, group_size=2, max_new_tokens=128)
     fifo = pw["fifo"]
@@ -47,6 +49,7 @@ def test_padding_waste_section_decode_slots_beat_fifo(bench):
     assert pw["length_aware_mean"]["rollout/reprefill_positions"] > 0  # it continued rows
 
 
+@pytest.mark.slow
 def test_detokenization_section_and_the_byte_level_decoder(bench):
     decoder = bench.ByteLevelDecoder(50)
     assert decoder([3, 4]) == decoder([3]) + decoder([4]) and decoder([]) == ""
@@ -59,6 +62,7 @@ def test_detokenization_section_and_the_byte_level_decoder(bench):
         assert dt[where]["total_s"] >= dt[where]["host_handoff_s"] > 0
 
 
+@pytest.mark.slow
 def test_fp8_mismatch_section(bench):
     cfg = model.ModelConfig.tiny()
     params = model.init(cfg, jax.random.key(0))
@@ -87,6 +91,7 @@ def test_touched_experts_counts_distinct_experts_per_layer_and_step(bench):
     assert bench._touched_experts(ids) == 2.5
 
 
+@pytest.mark.slow
 def test_engines_run_in_their_own_process(bench, tmp_path):
     path = testing.make_hf_checkpoint(tmp_path / "ckpt", num_experts=8, num_experts_per_tok=2)
     shape = dict(batch=2, prompt_len=4, new_tokens=4, dtype="float32")
@@ -98,6 +103,7 @@ def test_engines_run_in_their_own_process(bench, tmp_path):
     assert bench.run_engine("espo", tmp_path / "missing", **shape) is None
 
 
+@pytest.mark.slow
 def test_fp8_read_check_names_the_dot_operand_dtype(bench):
     out = bench.fp8_read_check(experts=4, d=8, f=8, capacity=2)
     assert set(out) == {"f32", "bf16", "fp8 -> f32"}

@@ -12,6 +12,7 @@ from espo import testing
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_sampler_section_prints_a_row_per_point(capsys):
     bench = testing.load_script(ROOT / "experiments" / "bench_scale.py")
     bench.main(["--quick", "--only", "sampler", "--batches", "4", "--lengths", "8,16",

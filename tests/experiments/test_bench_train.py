@@ -4,6 +4,7 @@ reported by the script, not asserted here)."""
 import pathlib
 
 import numpy as np
+import pytest
 
 from espo import testing
 
@@ -17,6 +18,7 @@ def test_skewed_lengths_fit_the_prompt_and_generation_budgets():
     assert (plen + clen).min() <= 20 < 40 <= (plen + clen).max()  # skewed: short and long rows
 
 
+@pytest.mark.slow
 def test_packing_arms_compute_the_padded_update_with_less_padding():
     bench = testing.load_script(PATH)
     # tiny: T = 32 + 16 = 48; budget 96 is two rows per micro-batch.

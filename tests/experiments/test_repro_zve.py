@@ -22,6 +22,7 @@ def result(repro):
     return repro.run(seed=0, **SIZES)
 
 
+@pytest.mark.slow
 def test_zvp_rate_falls_with_group_size_and_matches_theory(repro, result):
     for name in ("raw", "prefiltered"):
         rows = result["by_group_size"][name]

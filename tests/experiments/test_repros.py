@@ -22,6 +22,7 @@ def out(tmp_path_factory):
     return tmp_path_factory.mktemp("repros")
 
 
+@pytest.mark.slow
 def test_optimizers_quick(out, monkeypatch):
     repro = _load("repro_optimizers")
     argv = ["--quick", "--seeds", "0,1", "--losses", "gspo", "--out", str(out / "opt")]
@@ -51,6 +52,7 @@ def test_optimizers_quick(out, monkeypatch):
     )
 
 
+@pytest.mark.slow
 def test_replay_quick(out):
     repro = _load("repro_replay")
     argv = ["--quick", "--arms", "bf16,bf16-free", "--out", str(out / "replay")]
@@ -66,6 +68,7 @@ def test_replay_quick(out):
         repro.main(["--quick", "--arms", "bf16,f16", "--out", str(out / "bad")])
 
 
+@pytest.mark.slow
 def test_zve_training_quick(out):
     repro = _load("repro_zve_training")
     argv = ["--quick", "--arms", "plain,rl_zvp", "--out", str(out / "zve")]
@@ -80,6 +83,7 @@ def test_zve_training_quick(out):
     assert (out / "zve" / "heldout.png").exists()
 
 
+@pytest.mark.slow
 def test_curriculum_quick(out):
     repro = _load("repro_curriculum")
     argv = ["--quick", "--out", str(out / "curr"), "--warm-start", str(out / "warm")]
@@ -97,6 +101,7 @@ def test_curriculum_quick(out):
     assert "eval/pass@1/2-basic_arithmetic" in text  # the hardest level of the three
 
 
+@pytest.mark.slow
 def test_system_quick(out):
     repro = _load("repro_system")
     argv = ["--quick", "--out", str(out / "sys"), "--warm-start", str(out / "warm")]
@@ -118,6 +123,7 @@ def test_system_quick(out):
     assert "| + reward overlap | " in (out / "sys" / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_inversion_training_quick(out):
     """A BT reward model trained from the warm start scores every rollout; the naive RM's
     rewards invert advantages in groups whose rollouts are equally correct, the adjusted ones
@@ -134,6 +140,7 @@ def test_inversion_training_quick(out):
     assert "| naive RM |" in (out / "inversion" / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_testbed_quick(out):
     """The testbed's controls on configs/default.py's tiny variant: every arm from one warm
     start (its own, not the arithmetic repros'), SFT x2 as fresh runs, a table with the 95%
@@ -155,6 +162,7 @@ def test_testbed_quick(out):
     assert (out / "testbed" / "heldout.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_make_run_seeds_quick(out):
     """make run over two seeds of the tiny default: a row per seed, the mean with its 95%
     interval, the same test prompts for both (data.seed), and a rerun that trains nothing."""
@@ -172,6 +180,7 @@ def test_make_run_seeds_quick(out):
     assert summaries[0]["start"]["eval/num_prompts"] == summaries[1]["start"]["eval/num_prompts"]
 
 
+@pytest.mark.slow
 def test_sweep_teacher_quick(out):
     """The teacher sweep on the tiny default: one point, the whole run with that teacher on the
     dev split, its row in the table."""

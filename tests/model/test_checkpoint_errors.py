@@ -38,6 +38,7 @@ BF16_SPELLINGS = ["bfloat16", jnp.bfloat16, jnp.dtype("bfloat16"), ml_dtypes.bfl
 F32_SPELLINGS = ["float32", jnp.float32, np.float32, np.dtype("float32"), jnp.dtype("float32")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelling", BF16_SPELLINGS + F32_SPELLINGS, ids=repr)
 def test_load_accepts_every_dtype_spelling(saved, spelling):
     # Bug caught: `dtype=jnp.bfloat16` rejected as "param_dtype=<class ...bfloat16'> is invalid",

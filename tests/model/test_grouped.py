@@ -51,11 +51,13 @@ def _check(kernels, x, w, sizes, dy, tol):
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", GROUPS)
 def test_reference_kernels_value_and_gradients_equal_the_group_loop(groups):
     _check("reference", *_inputs(GROUPS[groups]), tol=1e-4)
 
 
+@pytest.mark.slow
 def test_swiglu_experts_equal_xla_ragged_dispatch_and_refuse_unknown_kernels():
     sizes = jnp.asarray([9, 0, 14, 3], jnp.int32)
     k = jax.random.split(jax.random.key(3), 4)
@@ -82,6 +84,7 @@ def test_swiglu_experts_equal_xla_ragged_dispatch_and_refuse_unknown_kernels():
 # Defined on a Hopper GPU only (not skipped elsewhere: CI counts a skip as a failure).
 if grouped.hopper():
 
+    @pytest.mark.gpu
     @pytest.mark.parametrize("groups", GROUPS)
     def test_mosaic_gpu_kernels_value_and_gradients_equal_the_group_loop(groups):
         _check("mosaic_gpu", *_inputs(GROUPS[groups], jnp.bfloat16), tol=5e-2)

@@ -19,6 +19,7 @@ def test_model_is_a_value_and_a_jit_static():
         model.Model("tiny")
 
 
+@pytest.mark.slow
 def test_init_forward_and_cache_are_the_module_functions():
     m = model.Model(CFG)
     params = m.init(jax.random.key(0))

@@ -48,6 +48,7 @@ def _assert_expert_ids_equal(cfg, ours, theirs, mask):
         np.testing.assert_array_equal(got[real], want[real], err_msg=f"layer {layer}")
 
 
+@pytest.mark.slow
 def test_logits_and_experts_match_transformers(checkpoint):
     path, cfg, params = checkpoint
     want_logits, want_ids = testing.hf_forward(path, TOKENS)
@@ -57,6 +58,7 @@ def test_logits_and_experts_match_transformers(checkpoint):
     _assert_expert_ids_equal(cfg, out.router.expert_ids, want_ids, np.ones(TOKENS.shape, bool))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_matches_transformers(checkpoint, side):
     path, cfg, params = checkpoint
@@ -93,6 +95,7 @@ def test_save_round_trip_is_exact_and_transformers_loads_it(checkpoint, tmp_path
     np.testing.assert_array_equal(got_logits, want_logits)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_and_bf16_round_trip(tmp_path):
     cfg = model.ModelConfig.tiny(param_dtype="bfloat16", dtype="bfloat16")
     params = model.init(cfg, jax.random.key(3))

@@ -67,6 +67,7 @@ def _skewed_routing():
     return ids, jnp.full((M, K), 0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("unrecorded", [0, 5])
 def test_dispatch_matches_loop_reference(weights, impl, unrecorded):
@@ -75,6 +76,7 @@ def test_dispatch_matches_loop_reference(weights, impl, unrecorded):
     _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, impl=impl)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dispatch_gradients_match_reference(weights, impl):
     w_gate, w_up, w_down, x = weights
@@ -92,6 +94,7 @@ def test_skewed_routing_all_tokens_to_one_expert(weights, impl):
 
 # Capacities around the group sizes of _routing (E=8, M*K=74: mean 9): 1 and 4 overflow almost
 # every group (several tiles per group at 1), 12 some, 74 none (the R <= C shortcut).
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [1, 4, 12, 74])
 @pytest.mark.parametrize("routing", ["free", "unrecorded", "skewed"])
 def test_capacity_dispatch_and_gradients_at_any_capacity(weights, capacity, routing):
@@ -118,6 +121,7 @@ def test_capacity_dispatch_and_gradients_at_any_capacity(weights, capacity, rout
     + [dict(impl=i) for i in IMPLS if i != "capacity"],  # fmt: skip
     ids=str,
 )
+@pytest.mark.slow
 def test_bfloat16_dispatch_keeps_its_dtype_and_the_float32_values(weights, kw):
     ids, w = _routing(5, unrecorded=3)
     args = [a.astype(jnp.bfloat16) for a in (weights[3], w, *weights[:3])]
@@ -140,6 +144,7 @@ def test_bfloat16_dispatch_keeps_its_dtype_and_the_float32_values(weights, kw):
         np.testing.assert_allclose(got.astype(jnp.float32), ref, atol=0.03 * scale, rtol=0.03)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_tokens", [1, 2, 3])
 def test_capacity_dispatch_at_decode_shapes(weights, num_tokens):
     # Decode: fewer assignments than experts (M*K = 2..6 < E = 8, default capacity 4); at M=1
@@ -208,6 +213,7 @@ def test_auto_is_capacity_on_cpu_ragged_on_tpu_by_rows_and_kernel_on_gpu(weights
         moe.dispatch(x, ids, w, w_gate, w_up, w_down, impl="dense")
 
 
+@pytest.mark.slow
 def test_expert_parallel_dispatch_off_an_expert_axis_is_dispatch_and_checks_its_inputs(weights):
     """Without an "expert" axis of size > 1 on the context mesh (none, no such axis, size 1)
     `expert_parallel_dispatch` is `dispatch`, with path counts [0, 0]; a mode it does not know
@@ -275,6 +281,7 @@ def test_route_free_and_replay_semantics():
         moe.route(logits, top_k=2, norm_topk_prob=True, mode=RoutingMode.REPLAY_IDS)
 
 
+@pytest.mark.slow
 def test_router_losses_balanced_router_scores_top_k():
     # Uniform router logits and perfectly balanced assignments: E * sum_e (K/E)(1/E) = K.
     logits = jnp.zeros((8, 4))
@@ -285,6 +292,7 @@ def test_router_losses_balanced_router_scores_top_k():
     np.testing.assert_allclose(load, [0.25] * 4)
 
 
+@pytest.mark.slow
 def test_router_losses_hand_example_with_padding():
     # E=2, K=1. Real tokens: logits [0, 0] (p = [1/2, 1/2]), both routed to expert 0; the padded
     # third token holds extreme logits [1e9, -1e9] (p = [1, 0]) and id 1. Over the n=2 real tokens:
@@ -318,6 +326,7 @@ def test_router_losses_of_one_real_token_and_of_none():
     num_pad=st.integers(1, 4),
     fill=st.sampled_from([1e9, -1e9, np.inf, -np.inf, np.nan]),
 )
+@pytest.mark.slow
 @hypothesis.settings(max_examples=25, deadline=None)
 def test_router_losses_ignore_whatever_padding_holds(seed, num_pad, fill):
     # Padded rows hold extreme / non-finite logits and arbitrary ids: value and gradient equal
@@ -358,6 +367,7 @@ def _uses_streamed(capacity, weights):
     return "_streamed" in str(_capacity_jaxpr(capacity, weights))
 
 
+@pytest.mark.slow
 def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, monkeypatch):
     """Decode-sized groups (capacity <= SMALL_GROUP_ROWS) take the fused multiply-and-reduce on
     CPU, larger ones the batched GEMM; both equal the loop reference (tests above) and each
@@ -398,6 +408,7 @@ def test_block_size_is_the_power_of_two_nearest_below_half_the_mean_group():
         assert moe._block_size(rows, experts) == block, (rows, experts)
 
 
+@pytest.mark.slow
 def test_blocked_layout_fits_the_worst_case_padding():
     # E = 8 groups of one row each with blocks of 8 (`_block_size(8, 8)`): every group pads to
     # a full block, 64 slots, the bound R + E * (block - 1). One block fewer drops a group.

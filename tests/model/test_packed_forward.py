@@ -95,6 +95,7 @@ def assert_same_tokens(plan, mask, packed_out, unpacked_out):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given_positions", [True, False], ids=["positions", "default"])
 def test_packed_forward_equals_padded_forward(given_positions):
     params, tokens, mask, plan, unpacked = setup()
@@ -110,6 +111,7 @@ def test_packed_forward_equals_padded_forward(given_positions):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [RoutingMode.REPLAY_IDS, RoutingMode.REPLAY_IDS_AND_WEIGHTS])
 def test_packed_replay_equals_padded_replay(mode):
     # Replay a trace the router would not choose itself (every id shifted by one), so a trace

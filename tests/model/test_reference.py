@@ -92,6 +92,7 @@ def _assert_matches(out, want, mask):
     assert int(out.aux.num_unrecorded_routes) == want.num_unrecorded_routes
 
 
+@pytest.mark.slow
 class ForwardMatchesReferenceTest(parameterized.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*[(name, name) for name in CONFIGS])
@@ -112,6 +113,7 @@ _jit_forward = jax.jit(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize(
     "mode", [RoutingMode.REPLAY_IDS, RoutingMode.REPLAY_IDS_AND_WEIGHTS], ids=lambda m: m.name
@@ -158,6 +160,7 @@ def test_rms_norm_small_rms_regime_hand_example():
         np.testing.assert_allclose(got, ref.rms_norm(x, scale, 1e-6), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_shared_expert_gate_is_a_sigmoid_hand_example():
     # One MoE block, routed experts zeroed out so only the shared expert speaks:
     #   out = sigmoid(h . w_sg) * swiglu_shared(h)   (Qwen2-MoE's shared_expert_gate)
@@ -177,6 +180,7 @@ def test_shared_expert_gate_is_a_sigmoid_hand_example():
     assert np.abs(shared).max() > 0.1
 
 
+@pytest.mark.slow
 def test_router_losses_of_a_padded_row_equal_the_unpadded_row():
     # Left padding (with arbitrary pad tokens) changes neither aux.total nor its gradient: the
     # router statistics run over real tokens only. (P_e or f_e averaged over all B*T tokens

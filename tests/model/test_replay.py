@@ -44,6 +44,7 @@ def setup():
     return _setup()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", REPLAY_MODES, ids=lambda m: m.name)
 def test_eager_replay_of_an_unrecorded_real_token_raises_naming_layer_and_position(setup, mode):
     params, tokens, _, trace = setup
@@ -54,6 +55,7 @@ def test_eager_replay_of_an_unrecorded_real_token_raises_naming_layer_and_positi
     assert 'replay_missing="free"' in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", REPLAY_MODES, ids=lambda m: m.name)
 def test_jitted_replay_returns_the_count_and_checkify_raises(setup, mode):
     params, tokens, free, trace = setup
@@ -69,6 +71,7 @@ def test_jitted_replay_returns_the_count_and_checkify_raises(setup, mode):
         err.throw()
 
 
+@pytest.mark.slow
 def test_unrecorded_padding_is_not_an_error(setup):
     params, tokens, free, trace = setup
     mask = jnp.ones(tokens.shape, bool).at[1, 4].set(False).at[0, 2].set(False)
@@ -83,6 +86,7 @@ def test_unrecorded_padding_is_not_an_error(setup):
     assert int(replay.aux.num_unrecorded_routes) == 0
 
 
+@pytest.mark.slow
 class ReplayMissingFreeTest(parameterized.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*[(m.name, m) for m in REPLAY_MODES])

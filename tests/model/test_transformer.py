@@ -27,6 +27,7 @@ def tokens():
     return jax.random.randint(jax.random.key(1), (2, 12), 0, CFG.vocab_size)
 
 
+@pytest.mark.slow
 def test_shapes_and_dense_layers_in_trace(params, tokens):
     out = forward(params, tokens)
     assert out.logits.shape == (2, 12, CFG.vocab_size) and out.logits.dtype == jnp.float32
@@ -39,6 +40,7 @@ def test_shapes_and_dense_layers_in_trace(params, tokens):
     assert out.cache is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["capacity", "blocked"])
 def test_dispatch_impls_agree(params, tokens, impl):
     got = forward(params, tokens, dispatch_impl=impl)
@@ -46,6 +48,7 @@ def test_dispatch_impls_agree(params, tokens, impl):
     np.testing.assert_allclose(got.logits, ragged.logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_prefill_then_decode_equals_full_forward(params, tokens):
     full = forward(params, tokens)
     prefill = 5
@@ -63,6 +66,7 @@ def test_prefill_then_decode_equals_full_forward(params, tokens):
     assert int(cache.index) == tokens.shape[1]
 
 
+@pytest.mark.slow
 def test_padding_does_not_change_real_tokens(params, tokens):
     # Left-pad the first row by 3: its real tokens must see exactly what they saw unpadded.
     row = tokens[0, :9]
@@ -74,6 +78,7 @@ def test_padding_does_not_change_real_tokens(params, tokens):
     np.testing.assert_array_equal(got.router.expert_ids[0, :, 3:], want.router.expert_ids[0])
 
 
+@pytest.mark.slow
 def test_self_replay_reproduces_logits(params, tokens):
     free = forward(params, tokens)
     for mode in (RoutingMode.REPLAY_IDS, RoutingMode.REPLAY_IDS_AND_WEIGHTS):
@@ -92,12 +97,14 @@ def _router_grad_norm(params, tokens, trace, mode):
     return jnp.linalg.norm(grads["blocks_0"]["moe"]["router"])
 
 
+@pytest.mark.slow
 def test_router_gradient_only_under_replay_ids(params, tokens):
     trace = forward(params, tokens).router
     assert float(_router_grad_norm(params, tokens, trace, RoutingMode.REPLAY_IDS)) > 1e-6
     assert float(_router_grad_norm(params, tokens, trace, RoutingMode.REPLAY_IDS_AND_WEIGHTS)) == 0
 
 
+@pytest.mark.slow
 def test_replaying_a_different_trace_routes_exactly_as_given(params, tokens):
     free = forward(params, tokens)
     # Shift every expert id by one: a routing the router itself would not choose.
@@ -136,6 +143,7 @@ def test_qwen3_30b_a3b_shapes_without_allocation():
     assert out.aux.expert_load.shape == (48, 128)
 
 
+@pytest.mark.slow
 def test_return_hidden_feeds_the_lm_head(params, tokens):
     out = forward(params, tokens, return_hidden=True)
     assert out.hidden.shape == (2, 12, CFG.d_model)
@@ -143,6 +151,7 @@ def test_return_hidden_feeds_the_lm_head(params, tokens):
     assert forward(params, tokens).hidden is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dense_layers", [(1,), ()])
 def test_per_layer_params_run_the_same_model(tokens, dense_layers):
     # `unstack_layers` (the sampler's CPU decode layout) splits the layer runs (MoE, dense, MoE

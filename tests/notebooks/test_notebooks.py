@@ -52,6 +52,7 @@ def venv_kernel(tmp_path, monkeypatch):
     return KERNEL_NAME
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path, venv_kernel):
     nb = nbformat.read(path, as_version=4)

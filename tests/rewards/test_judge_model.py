@@ -44,6 +44,7 @@ def _completer(model_, params, **kw):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_tiny_model_judges_a_group_end_to_end(params):
     completer = _completer(CFG, params)
     gen = gj.GenerativeJudge(complete=completer).for_question(QUESTION)
@@ -87,6 +88,7 @@ class FirstLabelModel:
         return out.replace(logits=out.logits + bias)  # [B, T, V]
 
 
+@pytest.mark.slow
 def test_position_biased_model_is_cancelled_by_both_orders(params):
     biased = FirstLabelModel(model.Model(CFG))
     completer = dataclasses.replace(_completer(biased, params), max_new_tokens=1)

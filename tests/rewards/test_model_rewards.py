@@ -40,6 +40,7 @@ def test_modes_by_hand():
         model_rewards.group_rewards(SCORES, CORRECT, mode="bt", dead_zone=0.75)
 
 
+@pytest.mark.slow
 def test_inversion_metrics_by_hand():
     """Naive: group 0's advantages have signs (-, -, +, +) against correctness (+, -, -, +):
     rollouts 0 and 2 inverted; group 1 is all correct, so each of its 4 nonzero advantages is
@@ -59,6 +60,7 @@ def test_inversion_metrics_by_hand():
     assert m["rm/pair_accuracy"] == pytest.approx(1 / 4) and verifiable.all()
 
 
+@pytest.mark.slow
 def test_ragged_groups_equal_each_group_alone():
     """Adaptive G: groups of sizes 4, 2, 4, 3 (group-major rows) get what each gets alone."""
     rng = np.random.default_rng(0)
@@ -87,6 +89,7 @@ def _rewarder_with_scores(scores, *, mode, dead_zone=0.75):
     return out
 
 
+@pytest.mark.slow
 def test_save_load_round_trip_and_errors(tmp_path):
     cfg = model.ModelConfig.tiny(vocab_size=32, num_layers=1)
     params = rm.init_reward_model(cfg, jax.random.key(0))
@@ -114,6 +117,7 @@ def _config(**reward):
     return cfg
 
 
+@pytest.mark.slow
 def test_trainer_trains_on_the_reward_model(tmp_path):
     """With a naive RM the rewards the optimiser normalises are RM scores: they differ inside
     every group, so no group is zero-variance (the tiny run's verifier leaves most groups so),
@@ -131,6 +135,7 @@ def test_trainer_trains_on_the_reward_model(tmp_path):
     assert all(r["rm/inversion_rate"] > 0 for r in rows)  # random scores invert
 
 
+@pytest.mark.slow
 def test_a_bad_reward_model_path_names_the_key(tmp_path):
     cfg = _config(model_path=str(tmp_path / "missing"))
     with pytest.raises(config_lib.ConfigError, match=r"--config\.reward\.model_path=.*missing"):

@@ -150,6 +150,7 @@ def test_equal_scores_tie_without_dead_zone():
     _close(adjust_rewards(jnp.array([[1.0, 1.0, 2.0]]), correct=None, cfg=cfg), [[-0.5, -0.5, 1]])
 
 
+@pytest.mark.slow
 def test_all_tied_group_becomes_zero_variance_exactly():
     s = jnp.array([[0.11, 0.13, 0.12, 0.1], [0.0, 0.01, 0.02, 5.0]])
     correct = jnp.array([[True] * 4, [False, False, False, True]])
@@ -161,6 +162,7 @@ def test_all_tied_group_becomes_zero_variance_exactly():
     assert bool(advantages.zero_variance_mask(r)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [True, False])
 def test_correctness_decides_the_sign_in_mixed_groups(rank):
     rng = np.random.default_rng(0)
@@ -189,6 +191,7 @@ def _adversarial_groups(G: int) -> tuple[jnp.ndarray, jnp.ndarray]:
     return jnp.asarray(scores, jnp.float32), jnp.asarray(correct)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [True, False])
 @pytest.mark.parametrize("G", [2, 4, 8, 16, 32, 64])
 def test_default_margin_keeps_every_sign_at_every_group_size(G, rank):
@@ -219,6 +222,7 @@ def test_margin_boundary_hand_example():
         rm.adjust_rewards(s, correct=correct, cfg=rm.RmAdjustConfig(margin=0.25))
 
 
+@pytest.mark.slow
 def test_explicit_margin_is_checked_against_g():
     cfg = rm.RmAdjustConfig(margin=0.05)
     assert cfg.margin_for(16) == 0.05  # 0.05 < 1/16
@@ -238,6 +242,7 @@ def test_explicit_margin_is_checked_against_g():
 # ---- the dead-zone default -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_default_dead_zone_ties_rm_noise_in_an_equal_quality_tier():
     """Catches dead_zone=0 as the default: an all-correct group of equal true quality whose RM
     scores differ by noise (gaps 0.3 delta) gets ranks -1..1, i.e. unit-size advantages, and
@@ -294,6 +299,7 @@ _CFGS = (
     G=st.sampled_from([1, 2, 3, 8]),
     cfg=st.sampled_from(_CFGS),
 )
+@pytest.mark.slow
 def test_every_correct_reward_beats_every_wrong_one(data, G, cfg):
     """Property: within every group, min(correct rewards) > max(wrong rewards), whatever the RM
     scores (huge, tied, adversarial) and switches."""
@@ -326,6 +332,7 @@ class AdjustVariantsTest(chex.TestCase):
         )
 
 
+@pytest.mark.slow
 def test_adjust_rewards_eager_matches_jit():
     s = jnp.asarray(np.random.default_rng(1).normal(size=(4, 6)), jnp.float32)
     correct = s > 0.3
@@ -383,6 +390,7 @@ def test_reward_model_at_real_size_reads_the_hidden_state_not_logits():
     assert f"{B}x{T}x{cfg.vocab_size}x" not in lowered.as_text()
 
 
+@pytest.mark.slow
 def test_bt_objective_includes_the_router_aux_loss():
     """Catches bug 13 of issue 13 (the router aux loss dropped from the BT objective): with
     nonzero coefficients the objective must equal mean softplus(-(s_c - s_r)) +
@@ -441,6 +449,7 @@ def repro(repro_lib):
     return repro_lib.run(steps=100, batch_size=32, num_prompts=128, seed=0)
 
 
+@pytest.mark.slow
 def test_reward_scores_ignore_padding(repro, repro_lib):
     cfg, params = repro["cfg"], repro["params"]
     assert jax.tree.structure(params["head"]) == jax.tree.structure({"w": 0, "b": 0})
@@ -461,6 +470,7 @@ def test_reward_scores_ignore_padding(repro, repro_lib):
     _close(got, np.full(4, got[0]), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_trained_bt_model_inversion_cut_at_least_5x(repro):
     rows = repro["rows"]
     naive = rows["naive BT"]["inversion"]
@@ -473,6 +483,7 @@ def test_trained_bt_model_inversion_cut_at_least_5x(repro):
     assert rows["oracle q, adjusted"]["inversion"] == 0.0  # the adjustment itself is exact
 
 
+@pytest.mark.slow
 def test_noisy_scorer_inversion_cut_at_least_5x():
     """A BT-like scorer without training: monotone in quality plus noise near the mean."""
     rng = np.random.default_rng(0)

@@ -15,6 +15,8 @@ import pytest
 from espo import testing
 from espo.rewards import pool
 
+pytestmark = pytest.mark.multiprocess  # every test starts worker processes
+
 # Each sample creates <dir>/<completion> and returns only once `meta["parties"]` files exist:
 # `parties` samples finish only if they run at the same time (else TimeoutError after wait_s).
 BARRIER = testing.FromSource(
