@@ -24,7 +24,7 @@ from espo import advantages, curriculum, evaluate, losses, zero_variance
 from espo.data import examples as data_examples
 from espo.data import sources
 from espo.model import config as model_config
-from espo.rewards import reward_model
+from espo.rewards import model_rewards, reward_model
 
 SCHEDULES = ("cosine", "constant")
 OLD_LOGPS = ("recompute", "sampler")
@@ -207,8 +207,8 @@ class RolloutConfig:
         )  # fmt: skip
 
 
-# How a reward model's scores become rewards (espo.rewards.model_rewards).
-REWARD_MODEL_MODES = ("naive", "adjusted", "judge")
+# How a reward model's scores become rewards: the modes espo.rewards.model_rewards defines.
+REWARD_MODEL_MODES = model_rewards.MODES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

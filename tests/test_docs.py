@@ -139,3 +139,25 @@ def test_package_all_is_importable_and_complete(package):
     modules |= {p.parent.name for p in directory.glob("*/__init__.py")}
     unlisted = sorted(modules - set(names))
     assert not unlisted, f"{package}.__all__ does not list its public modules {unlisted}"
+
+
+def _espo_imports(path: pathlib.Path) -> set[str]:
+    """The espo modules a file imports ("espo.config", "espo.rewards.pool", ...)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in names if n == "espo" or n.startswith("espo.")}
+
+
+def test_only_the_trainer_imports_the_config():
+    """docs/architecture.md "Import direction": in the library only espo.trainer imports
+    espo.config (the run's ConfigDict reader), so no module runs back up to it."""
+    importers = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "espo").rglob("*.py")
+        if "espo.config" in _espo_imports(p)
+    )
+    assert importers == ["espo/trainer.py"]

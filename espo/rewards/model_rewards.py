@@ -32,12 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from espo import advantages, config, model
+from espo import advantages, model
 from espo.rewards import judge
 from espo.rewards import reward_model as rm
 
 FORMAT = "espo.reward_model.v1"
-MODES = config.REWARD_MODEL_MODES
+MODES = ("naive", "adjusted", "judge")  # how scores become rewards (RewardConfig.model_mode)
 MANIFEST = "reward_model.json"
 
 
