@@ -247,6 +247,24 @@ def heldout_columns(key: str = "eval/pass@1", name: str = "pass@1") -> dict[str,
     }
 
 
+def testbed_columns(k: int, key: str = "eval/pass@1") -> dict[str, Callable]:
+    """Per-run columns of a testbed run (configs/default.py): greedy pass@1 at the start, the end
+    and the change; maj@k / pass@k of the warm start and pass@k at the end; process fidelity and
+    the right answers reached by a wrong process at the end."""
+    first = lambda name: lambda r: series(r, name)[1][0]
+    final = lambda name: lambda r: last(r, name)
+    return {
+        "pass@1 start": first(key),
+        "pass@1 end": final(key),
+        "change": lambda r: change(r, key),
+        f"maj@{k} start": first(f"eval/maj@{k}"),
+        f"pass@{k} start": first(f"eval/pass@{k}"),
+        f"pass@{k} end": final(f"eval/pass@{k}"),
+        "process fidelity end": final("eval/process_fidelity"),
+        "right answer, wrong process end": final("eval/right_answer_wrong_process"),
+    }
+
+
 # ---- writing results -------------------------------------------------------------------------
 def arm_table(
     runs: Mapping[str, list[list[dict]]], arms: Sequence[Arm], cols: Mapping[str, Callable]

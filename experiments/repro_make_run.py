@@ -35,20 +35,8 @@ def main(argv=None) -> dict:
         workdir = out / f"seed{seed}"
         runs.append(repro_lib.run(cfg, workdir, progress=not args.no_progress))
         walls.append(json.loads((workdir / "summary.json").read_text())["wall_s"])
-    first = lambda key: lambda r: repro_lib.series(r, key)[1][0]
     k = repro_lib.config(args.preset, name="default").eval.samples
-    cols = {
-        "pass@1 start": first(KEY),
-        "pass@1 end": lambda r: repro_lib.last(r, KEY),
-        "change": lambda r: repro_lib.change(r, KEY),
-        f"maj@{k} start": first(f"eval/maj@{k}"),
-        f"pass@{k} start": first(f"eval/pass@{k}"),
-        f"pass@{k} end": lambda r: repro_lib.last(r, f"eval/pass@{k}"),
-        "process fidelity end": lambda r: repro_lib.last(r, "eval/process_fidelity"),
-        "right answer, wrong process end": lambda r: repro_lib.last(
-            r, "eval/right_answer_wrong_process"
-        ),
-    }
+    cols = repro_lib.testbed_columns(k, KEY)
     data = {name: [fn(r) for r in runs] for name, fn in cols.items()}
     data["wall_s"] = walls
     rows = [[f"seed {s}", *(f"{data[c][i]:.3f}" for c in cols), f"{walls[i]:.0f}"]

@@ -7,9 +7,9 @@ Each point (`data.teacher_flaw`:`data.teacher_error`) is the whole of `make run`
 teacher: its own warm start on the teacher's demonstrations, then RL with the verifier's reward.
 This is a tuning sweep, so it evaluates on the dev split (`eval.split=dev`); the test split is
 kept for the reported runs (repro_make_run.py, repro_testbed.py). Per point: the teacher's own
-accuracy (the share of its demonstrations whose last line is the true answer, over the
-training draws), the warm start's greedy pass@1 and pass@k, greedy pass@1 after RL, the change,
-process fidelity and the right answers reached by a wrong process at the end. Written to OUT
+accuracy (the share of its demonstrations whose last line is the true answer, over the first
+draws of data.seed), the warm start's greedy pass@1 and pass@k, greedy pass@1 after RL, the
+change, process fidelity and the right answers reached by a wrong process at the end. Written to OUT
 (default runs/repro/sweep_teacher): results.md / results.json and heldout.png.
 """
 
@@ -81,16 +81,17 @@ def main(argv=None) -> dict:
         accuracy[arm.name] = teacher_accuracy(cfg, min(cfg.data.size, 20000))
         arms.append(arm)
     k = repro_lib.config(args.preset, name=NAME).eval.samples
-    first = lambda key: lambda r: repro_lib.series(r, key)[1][0]
+    every = repro_lib.testbed_columns(k, KEY)
     cols = {
-        "pass@1 start": first(KEY),
-        "pass@1 end": lambda r: repro_lib.last(r, KEY),
-        "change": lambda r: repro_lib.change(r, KEY),
-        f"pass@{k} start": first(f"eval/pass@{k}"),
-        "process fidelity end": lambda r: repro_lib.last(r, "eval/process_fidelity"),
-        "right answer, wrong process end": lambda r: repro_lib.last(
-            r, "eval/right_answer_wrong_process"
-        ),
+        c: every[c]
+        for c in (
+            "pass@1 start",
+            "pass@1 end",
+            "change",
+            f"pass@{k} start",
+            "process fidelity end",
+            "right answer, wrong process end",
+        )
     }
     data = {a.name: {c: repro_lib.per_seed(runs[a.name], fn) for c, fn in cols.items()}
             for a in arms}  # fmt: skip
@@ -102,7 +103,8 @@ def main(argv=None) -> dict:
     notes = (
         "Dev split (eval.split=dev, data.seed=0): greedy pass@1 on eval.num_prompts prompts, "
         f"pass@{k} on the first eval.sampled_prompts. Teacher accuracy: the share of the "
-        "teacher's demonstrations (the first 20,000 training draws) whose last line is the true "
+        "teacher's demonstrations (the first 20,000 draws of data.seed, held-out ones included) "
+        "whose last line is the true "
         f"answer. Seeds {seeds}: one value, or the mean ± the std over seeds."
     )
     files = [
