@@ -16,6 +16,7 @@ _SUBMODULES = (
     "correction",
     "curriculum",
     "data",
+    "errors",
     "evaluate",
     "losses",
     "metrics",

@@ -47,12 +47,13 @@ Padding tokens (mask False) get 0 and never reach a max or a sum, whatever they 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
+
+from espo import errors
 
 ESTIMATORS = ("grpo", "dr_grpo", "rft")
 
@@ -79,17 +80,14 @@ class AdvantageConfig:
             "rl_zvp_alpha": (_is_real(self.rl_zvp_alpha) and self.rl_zvp_alpha >= 0, ">= 0"),
             "success_threshold": (_is_real(self.success_threshold), "a float"),
         }
-        for name, (ok, valid) in checks.items():
-            if not ok:
-                raise ValueError(f"AdvantageConfig.{name}={getattr(self, name)!r}; valid: {valid}")
+        errors.check(self, checks)
 
     @property
     def scale_by_std(self) -> bool:
         return self.estimator == "grpo"
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+_is_real = errors.is_real
 
 
 @flax.struct.dataclass

@@ -40,16 +40,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from espo import errors
+
 CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(errors.CheckpointError):
     """The checkpoint on disk does not fit the current run (model config, shapes or dtypes)."""
 
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Checkpointer.{name} must be an int >= 1, got {value!r}")
+        raise errors.InvalidValue("Checkpointer", name, value, "an int >= 1")
     return value
 
 
@@ -181,7 +183,7 @@ class Checkpointer:
         on disk is not written again (False). A step older than the newest one is an error.
         """
         if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
-            raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+            raise errors.InvalidValue("Checkpointer.save", "step", step, "an int >= 0")
         step = operator.index(step)
         if not (force or self.should_save(step)):
             return False
@@ -238,14 +240,15 @@ class Checkpointer:
                 continue  # structure differences are reported by orbax below
             if tuple(meta.shape) != tuple(leaf.shape) or meta.dtype != leaf.dtype:
                 problems.append(
-                    f"  {name}: checkpoint {_describe(meta.shape, meta.dtype)}, "
+                    f"{name}: checkpoint {_describe(meta.shape, meta.dtype)}, "
                     f"expected {_describe(leaf.shape, leaf.dtype)}"
                 )
         if problems:
             raise CheckpointMismatchError(
-                f"checkpoint step {step} in {self.directory} does not match the state this run "
-                f"builds ({len(problems)} leaves):\n" + "\n".join(problems)
-            )
+                str(self.directory), f"step {step}",
+                valid=f"the state this run builds ({len(problems)} leaves differ: "
+                + "; ".join(problems) + ")",
+            )  # fmt: skip
 
     def restore(self, step: int | None = None, *, abstract_state: Any) -> tuple[Any, dict]:
         """(state, host) of `step` (default: the newest), state shaped like `abstract_state`."""
@@ -258,9 +261,9 @@ class Checkpointer:
             out = self._manager.restore(step, args=args)
         except ValueError as e:  # orbax: structure or shape mismatch
             raise CheckpointMismatchError(
-                f"checkpoint step {step} in {self.directory} does not match the state this run "
-                f"builds: {e}"
-            ) from e
+                str(self.directory), f"step {step}",
+                valid=f"the state this run builds ({' '.join(str(e).split())})",
+            ) from e  # fmt: skip
         return out.state, dict(out.host)
 
     def restore_params(self, step: int | None = None) -> tuple[Any, dict]:
@@ -323,11 +326,11 @@ def check_model_config(saved: dict, current: dict) -> None:
     for name in sorted(saved_flat.keys() | current_flat.keys()):
         a, b = saved_flat.get(name, _ABSENT), current_flat.get(name, _ABSENT)
         if a is _ABSENT or b is _ABSENT or a != b:
-            lines.append(f"  {name}: checkpoint {show(a)}, config {show(b)}")
+            lines.append(f"{name}: checkpoint {show(a)}, config {show(b)}")
     if lines:
         raise CheckpointMismatchError(
-            f"the model config does not match the checkpoint's ({len(lines)} fields):\n"
-            + "\n".join(lines)
-            + "\nResume with the checkpoint's model config, or start a fresh run in another "
-            "workdir (--workdir)."
-        )
+            "model config", lines[0].split(":")[0],
+            valid=f"equal to the checkpoint's; {len(lines)} fields differ: " + "; ".join(lines)
+            + ". Resume with the checkpoint's model config, or start a fresh run in another "
+            "workdir (--workdir)",
+        )  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any
 
 import ml_collections
 
-from espo import advantages, curriculum, evaluate, losses, zero_variance
+from espo import advantages, curriculum, errors, evaluate, losses, zero_variance
 from espo.data import examples as data_examples
 from espo.data import sources
 from espo.model import config as model_config
@@ -30,24 +30,8 @@ SCHEDULES = ("cosine", "constant")
 OLD_LOGPS = ("recompute", "sampler")
 
 
-class ConfigError(ValueError):
-    """A config value that no dataclass accepts; the message names the --config key."""
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def check(obj: Any, rules: Mapping[str, tuple[bool, str]]) -> None:
-    """Raises ValueError "Class.field=value is invalid: valid" for the first failed rule."""
-    for field, (ok, valid) in rules.items():
-        if not ok:
-            name = type(obj).__name__
-            raise ValueError(f"{name}.{field}={getattr(obj, field)!r} is invalid: {valid}")
+ConfigError = errors.ConfigError  # the error every section raises, naming its --config key
+check, _is_int, _is_num = errors.check, errors.is_int, errors.is_real
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,10 +88,10 @@ class TrainConfig:
         micro = min(self.micro_batch_size, mini)
         rows = -(-rows // mini) * mini  # pad the batch up to whole mini-batches
         if mini % micro:
-            raise ValueError(
-                f"TrainConfig.micro_batch_size={self.micro_batch_size!r} is invalid: it must "
-                f"divide the mini-batch ({mini} rows)"
-            )
+            raise errors.InvalidValue(
+                "TrainConfig", "micro_batch_size", self.micro_batch_size,
+                f"a divisor of the mini-batch ({mini} rows)",
+            )  # fmt: skip
         return rows, mini, micro
 
 
@@ -300,7 +284,7 @@ class MeshConfig:
         check(self, {f: (ok(getattr(self, f)), valid) for f in ("data", "fsdp", "expert")})
         rest = [f for f in ("data", "fsdp", "expert") if getattr(self, f) == -1]
         if len(rest) > 1:
-            raise ValueError(f"MeshConfig.{rest[1]}=-1 is invalid: at most one axis -1 ({rest[0]})")
+            raise errors.InvalidValue("MeshConfig", rest[1], -1, f"at most one axis -1 ({rest[0]})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -327,23 +311,16 @@ class DistributedConfig:
         )
 
 
-_CLASS_TO_KEY = re.compile(r"\b([A-Z][A-Za-z0-9]*)\.([a-z_][a-z0-9_]*)\s*=\s*")
-
-
 def build(cls, section: Mapping[str, Any] | ml_collections.ConfigDict, key: str, **extra):
-    """`cls(**section, **extra)`; any error rewritten as a ConfigError naming `--config.<key>`."""
+    """`cls(**section, **extra)`; an InvalidValue comes out as a ConfigError of `--config.<key>`."""
     fields = dict(section.to_dict() if hasattr(section, "to_dict") else section)
     fields.update(extra)
     try:
         return cls(**fields)
     except TypeError as e:  # an unexpected or missing field
-        raise ConfigError(f"--config.{key}: {e}") from None
-    except ValueError as e:
-        message = _CLASS_TO_KEY.sub(lambda m: f"--config.{key}.{m.group(2)}=", str(e), count=1)
-        message = message.replace(" is invalid; valid: ", " is invalid: ").replace(
-            "; valid: ", " is invalid: "
-        )
-        raise ConfigError(message) from None
+        raise ConfigError("--config", key, valid=f"the fields of {cls.__name__} ({e})") from None
+    except errors.InvalidValue as e:
+        raise e.moved(f"--config.{key}", ConfigError) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -380,20 +357,20 @@ class Settings:
         init_from = model.pop("init_from", "")
         if init_from and hf_path:
             raise ConfigError(
-                f"--config.model.init_from={init_from!r} is invalid with model.hf_path: the "
-                "weights come from one of them"
-            )
+                "--config.model", "init_from", init_from,
+                "'' with model.hf_path set: the weights come from one of them",
+            )  # fmt: skip
         data = dict(c.data.to_dict())
         max_prompt_length = data.pop("max_prompt_length")
         if not (_is_int(max_prompt_length) and max_prompt_length >= 1):
             raise ConfigError(
-                f"--config.data.max_prompt_length={max_prompt_length!r} is invalid: >= 1"
+                "--config.data", "max_prompt_length", max_prompt_length, "an int >= 1"
             )
         stages = [dict(s) for s in c.curriculum.stages]
         try:
             curr = curriculum.Curriculum.from_config(stages)
-        except ValueError as e:
-            raise ConfigError(f"--config.curriculum: {e}") from None
+        except errors.InvalidValue as e:
+            raise e.moved(f"--config.{e.where}", ConfigError) from None
         ev = dict(c.eval.to_dict())
         schedule = build(
             EvalSchedule,
@@ -406,17 +383,18 @@ class Settings:
         )
         if schedule.split == "dev" and data.get("eval_path"):
             raise ConfigError(
-                "--config.eval.split='dev' is invalid with data.eval_path: that file is the test "
-                "set, whole; the dev half is cut from a held-out set split by data.eval_fraction"
-            )
+                "--config.eval", "split", "dev",
+                "'test' with data.eval_path: that file is the test set, whole; the dev half is "
+                "cut from a held-out set split by data.eval_fraction",
+            )  # fmt: skip
         train = build(TrainConfig, c.train, "train")
         longest = max_prompt_length + curr.max_new_tokens
         if train.packing and train.max_tokens_per_micro_batch < longest:
             raise ConfigError(
-                f"--config.train.max_tokens_per_micro_batch={train.max_tokens_per_micro_batch!r}"
-                f" is invalid: >= data.max_prompt_length + the largest max_new_tokens ({longest})"
-                " with train.packing (a packed micro-batch holds whole sequences)"
-            )
+                "--config.train", "max_tokens_per_micro_batch", train.max_tokens_per_micro_batch,
+                f">= data.max_prompt_length + the largest max_new_tokens ({longest}) with "
+                "train.packing (a packed micro-batch holds whole sequences)",
+            )  # fmt: skip
         loss = dict(c.loss.to_dict())
         build(losses.LossConfig, loss, "loss", vocab_size=model.get("vocab_size") or 2)
         adv = dict(c.advantage.to_dict(), rl_zvp=c.zve.mode == "rl_zvp")

@@ -24,73 +24,51 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+from espo import errors
 
 ADVANCE_RULES = ("steps", "accuracy")
 
 
-class _FieldError(ValueError):
-    """A `Stage` field error, re-worded by `Curriculum` to name the stage's config path."""
-
-    def __init__(self, prefix: str, field: str, value: Any, valid: str):
-        self.field, self.value, self.valid = field, value, valid
-        super().__init__(f"{prefix}.{field}={value!r} is invalid: {valid}")
+_is_int, _is_number = errors.is_int, errors.is_real
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _unit(v) -> bool:
+    return _is_number(v) and 0.0 <= v <= 1.0
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _stage_problems(stage: Stage) -> list[tuple[str, str]]:
-    """(field, what would be valid) for every invalid field of `stage`, in field order."""
-    s = stage
-    unit = lambda v: _is_number(v) and 0.0 <= v <= 1.0  # noqa: E731
-    opt_unit = lambda v: v is None or unit(v)  # noqa: E731
-    problems = []
-
-    def need(ok: bool, field: str, valid: str):
-        if not ok:
-            problems.append((field, valid))
-
-    need(isinstance(s.name, str) and bool(s.name), "name", "a non-empty string")
-    need(unit(s.min_difficulty), "min_difficulty", "a number in [0, 1]")
-    need(
-        unit(s.max_difficulty)
-        and (not unit(s.min_difficulty) or s.max_difficulty >= s.min_difficulty),
-        "max_difficulty",
-        f"a number in [min_difficulty={s.min_difficulty!r}, 1]",
-    )
-    need(opt_unit(s.pass_rate_low), "pass_rate_low", "None or a number in [0, 1]")
-    need(
-        opt_unit(s.pass_rate_high)
-        and (
-            s.pass_rate_high is None
-            or not unit(s.pass_rate_low)
-            or s.pass_rate_high >= s.pass_rate_low
+def _stage_rules(s: Stage) -> dict[str, tuple]:
+    """field -> (is it valid, what would be valid) of `s`, in field order (`errors.check`)."""
+    return {
+        "name": (isinstance(s.name, str) and bool(s.name), "a non-empty string"),
+        "min_difficulty": (_unit(s.min_difficulty), "a number in [0, 1]"),
+        "max_difficulty": (
+            lambda: _unit(s.max_difficulty) and s.max_difficulty >= s.min_difficulty,
+            f"a number in [min_difficulty={s.min_difficulty!r}, 1]",
         ),
-        "pass_rate_high",
-        f"None or a number in [pass_rate_low={s.pass_rate_low!r}, 1]",
-    )
-    need(_is_int(s.group_size) and s.group_size >= 1, "group_size", "an int >= 1")
-    need(_is_int(s.max_new_tokens) and s.max_new_tokens >= 1, "max_new_tokens", "an int >= 1")
-    need(s.advance in ADVANCE_RULES, "advance", f"one of {ADVANCE_RULES}")
-    need(_is_int(s.steps) and s.steps >= 1, "steps", "an int >= 1")
-    need(unit(s.accuracy_threshold), "accuracy_threshold", "a number in [0, 1]")
-    need(
-        _is_int(s.min_steps)
-        and s.min_steps >= 1
-        and (not _is_int(s.steps) or s.min_steps <= s.steps),
-        "min_steps",
-        f"an int in [1, steps={s.steps!r}]",
-    )
-    need(_is_number(s.ema) and 0.0 <= s.ema < 1.0, "ema", "a number in [0, 1) (the EMA decay)")
-    return problems
+        "pass_rate_low": (
+            s.pass_rate_low is None or _unit(s.pass_rate_low), "None or a number in [0, 1]"
+        ),
+        "pass_rate_high": (
+            lambda: s.pass_rate_high is None
+            or (
+                _unit(s.pass_rate_high)
+                and (s.pass_rate_low is None or s.pass_rate_high >= s.pass_rate_low)
+            ),
+            f"None or a number in [pass_rate_low={s.pass_rate_low!r}, 1]",
+        ),
+        "group_size": (_is_int(s.group_size) and s.group_size >= 1, "an int >= 1"),
+        "max_new_tokens": (_is_int(s.max_new_tokens) and s.max_new_tokens >= 1, "an int >= 1"),
+        "advance": (s.advance in ADVANCE_RULES, f"one of {ADVANCE_RULES}"),
+        "steps": (_is_int(s.steps) and s.steps >= 1, "an int >= 1"),
+        "accuracy_threshold": (_unit(s.accuracy_threshold), "a number in [0, 1]"),
+        "min_steps": (
+            lambda: _is_int(s.min_steps) and 1 <= s.min_steps <= s.steps,
+            f"an int in [1, steps={s.steps!r}]",
+        ),
+        "ema": (_is_number(s.ema) and 0.0 <= s.ema < 1.0, "a number in [0, 1) (the EMA decay)"),
+    }  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,8 +89,7 @@ class Stage:
     ema: float = 0.9  # decay of the training-accuracy EMA
 
     def __post_init__(self):
-        for field, valid in _stage_problems(self)[:1]:
-            raise _FieldError("Stage", field, getattr(self, field), valid)
+        errors.check(self, _stage_rules(self))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,11 +113,7 @@ class CurriculumState:
                 "None or a number in [0, 1]",
             ),
         }
-        for field, (ok, valid) in checks.items():
-            if not ok:
-                raise ValueError(
-                    f"CurriculumState.{field}={getattr(self, field)!r} is invalid: {valid}"
-                )
+        errors.check(self, checks)
 
     def state_dict(self) -> dict:
         """Plain Python values (JSON-serialisable; accuracy_ema may be None)."""
@@ -154,8 +127,8 @@ class CurriculumState:
         """Inverse of `state_dict`; numpy scalars (as restored by orbax) are accepted."""
         fields = [f.name for f in dataclasses.fields(cls)]
         if set(d) != set(fields):
-            raise ValueError(
-                f"curriculum state keys {sorted(d)} are invalid: expected exactly {fields}"
+            raise errors.InvalidValue(
+                "curriculum", "state", valid=f"a dict with keys {fields}; got {sorted(d)}"
             )
         ema = d["accuracy_ema"]
         ema = None if ema is None else _as_float(ema)
@@ -191,18 +164,18 @@ class Curriculum:
     def __init__(self, stages: Sequence[Stage]):
         stages = tuple(stages)
         if not stages:
-            raise ValueError("curriculum.stages=() is invalid: at least one stage")
+            raise errors.InvalidValue("curriculum", "stages", (), "at least one stage")
         for i, stage in enumerate(stages):
             if not isinstance(stage, Stage):  # a Stage validated its fields when it was built
-                raise ValueError(f"curriculum.stages[{i}]={stage!r} is invalid: a curriculum.Stage")
+                raise errors.InvalidValue("curriculum", f"stages[{i}]", stage, "a curriculum.Stage")
         self.stages: tuple[Stage, ...] = stages
 
     @classmethod
     def from_config(cls, stages: Sequence[Mapping]) -> Curriculum:
         """From `config.curriculum.stages`: a list of dicts (or ConfigDicts) of `Stage` fields."""
         if isinstance(stages, str | Mapping) or not isinstance(stages, Sequence):
-            raise ValueError(
-                f"curriculum.stages={stages!r} is invalid: a list of dicts with keys {_STAGE_KEYS}"
+            raise errors.InvalidValue(
+                "curriculum", "stages", stages, f"a list of dicts with keys {_STAGE_KEYS}"
             )
         built = []
         for i, entry in enumerate(stages):
@@ -210,18 +183,18 @@ class Curriculum:
             if hasattr(entry, "to_dict"):  # ml_collections.ConfigDict is not a Mapping
                 entry = entry.to_dict()
             if not isinstance(entry, Mapping):
-                raise ValueError(f"{where}={entry!r} is invalid: a dict with keys {_STAGE_KEYS}")
+                raise errors.InvalidValue(
+                    "curriculum", f"stages[{i}]", entry, f"a dict with keys {_STAGE_KEYS}"
+                )
             unknown = sorted(set(entry) - set(_STAGE_KEYS))
             if unknown:
-                raise ValueError(
-                    f"{where} has unknown key(s) {unknown}: valid keys are {_STAGE_KEYS}"
-                )
+                raise errors.InvalidValue(where, unknown[0], valid=f"one of the keys {_STAGE_KEYS}")
             if "name" not in entry:
-                raise ValueError(f"{where} needs a 'name' (valid keys are {_STAGE_KEYS})")
+                raise errors.InvalidValue(where, "name", valid="present: every stage has a name")
             try:
                 built.append(Stage(**entry))
-            except _FieldError as e:
-                raise _FieldError(where, e.field, e.value, e.valid) from None
+            except errors.InvalidValue as e:
+                raise e.moved(where) from None
         return cls(built)
 
     def __repr__(self) -> str:
@@ -244,11 +217,11 @@ class Curriculum:
     def stage(self, state: CurriculumState) -> Stage:
         """The stage `state` is in (an error if it does not fit this curriculum)."""
         if not 0 <= state.stage < len(self.stages):
-            raise ValueError(
-                f"curriculum state stage={state.stage} is invalid for a curriculum of "
-                f"{len(self.stages)} stage(s): in [0, {len(self.stages) - 1}] (did the config's "
-                "curriculum.stages change since the checkpoint?)"
-            )
+            raise errors.InvalidValue(
+                "CurriculumState", "stage", state.stage,
+                f"in [0, {len(self.stages) - 1}] for a curriculum of {len(self.stages)} stage(s) "
+                "(did the config's curriculum.stages change since the checkpoint?)",
+            )  # fmt: skip
         return self.stages[state.stage]
 
     def accepts(
@@ -286,7 +259,7 @@ class Curriculum:
         s = self.stage(state)
         acc = float(train_accuracy)
         if not 0.0 <= acc <= 1.0:  # also rejects NaN
-            raise ValueError(f"train_accuracy={train_accuracy!r} is invalid: a number in [0, 1]")
+            raise errors.InvalidValue("", "train_accuracy", train_accuracy, "a number in [0, 1]")
         ema = acc if state.accuracy_ema is None else s.ema * state.accuracy_ema + (1 - s.ema) * acc
         ema = min(max(ema, 0.0), 1.0)  # float rounding must not leave [0, 1]
         steps = state.steps_in_stage + 1

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from espo import sampler, scheduling
+from espo import errors, sampler, scheduling
 from espo.model import config as config_lib
 
 CORRECT_ABOVE = 0.5  # reward > this counts as a correct completion
@@ -80,13 +80,10 @@ class EvalConfig:
                 f"an int >= samples={self.samples!r} (a sampler call holds whole prompts)",
             ),
         }
-        for field, (ok, valid) in checks.items():
-            if not ok:
-                raise ValueError(f"EvalConfig.{field}={getattr(self, field)!r} is invalid: {valid}")
+        errors.check(self, checks)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+_is_int = errors.is_int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import correction, types
+from espo import correction, errors, types
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -120,64 +120,109 @@ class LossConfig:
     rollout_rs_high: float | None = None  # reject ratios above; None = the mode's (2; icepop 5)
 
     def __post_init__(self):
-        def need(ok: bool, field: str, valid: str):
-            if not ok:
-                value = getattr(self, field)
-                raise ValueError(f"LossConfig.{field}={value!r} is invalid: {valid}")
-
-        def is_num(x) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-        need(self.name in LOSSES, "name", f"one of {tuple(LOSSES)}")
+        errors.require(self, self.name in LOSSES, "name", f"one of {tuple(LOSSES)}")
         espo = self.name == "espo"
         if espo:
-            need(self.agg is None, "agg", "None for espo (it aggregates per entropy group)")
+            errors.require(
+                self, self.agg is None, "agg", "None for espo (it aggregates per entropy group)"
+            )
             for field in ("clip_low", "clip_high"):
-                need(getattr(self, field) is None, field, "None for espo (set alpha instead)")
-        need(self.agg is None or self.agg in AGG_MODES, "agg", f"None or one of {AGG_MODES}")
+                errors.require(
+                    self, getattr(self, field) is None, field, "None for espo (set alpha instead)"
+                )
+        errors.require(
+            self, self.agg is None or self.agg in AGG_MODES, "agg", f"None or one of {AGG_MODES}"
+        )
         for field in ("clip_low", "clip_high"):
             value = getattr(self, field)
-            need(value is None or (is_num(value) and value >= 0), field, "None or a float >= 0")
-        need(
-            self.dual_clip is None or (self.name == "grpo" and is_num(self.dual_clip)),
+            errors.require(
+                self,
+                value is None or (errors.is_real(value) and value >= 0),
+                field,
+                "None or a float >= 0",
+            )
+        errors.require(
+            self,
+            self.dual_clip is None or (self.name == "grpo" and errors.is_real(self.dual_clip)),
             "dual_clip",
             "None, or a float > 1 with name='grpo'",
         )
-        need(self.dual_clip is None or self.dual_clip > 1, "dual_clip", "None or a float > 1")
-        need(
+        errors.require(
+            self, self.dual_clip is None or self.dual_clip > 1, "dual_clip", "None or a float > 1"
+        )
+        errors.require(
+            self,
             self.norm_length is None
             or (isinstance(self.norm_length, int) and self.norm_length >= 1),
             "norm_length",
             "None or an int >= 1",
         )
-        need(is_num(self.top_frac) and 0 < self.top_frac <= 1, "top_frac", "a float in (0, 1]")
-        need(isinstance(self.num_groups, int) and self.num_groups >= 1, "num_groups", "an int >= 1")
-        need(self.quantile_scope in QUANTILE_SCOPES, "quantile_scope", f"one of {QUANTILE_SCOPES}")
-        need(is_num(self.alpha) and self.alpha > 0, "alpha", "a float > 0")
-        need(
+        errors.require(
+            self,
+            errors.is_real(self.top_frac) and 0 < self.top_frac <= 1,
+            "top_frac",
+            "a float in (0, 1]",
+        )
+        errors.require(
+            self,
+            isinstance(self.num_groups, int) and self.num_groups >= 1,
+            "num_groups",
+            "an int >= 1",
+        )
+        errors.require(
+            self,
+            self.quantile_scope in QUANTILE_SCOPES,
+            "quantile_scope",
+            f"one of {QUANTILE_SCOPES}",
+        )
+        errors.require(self, errors.is_real(self.alpha) and self.alpha > 0, "alpha", "a float > 0")
+        errors.require(
+            self,
             (self.vocab_size is None and not espo)
             or (isinstance(self.vocab_size, int) and self.vocab_size >= 2),
             "vocab_size",
             "an int >= 2 (required by espo: eps uses log(vocab_size))",
         )
-        need(self.espo_ratio in ESPO_RATIOS, "espo_ratio", f"one of {ESPO_RATIOS}")
-        need(is_num(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "a float >= 0")
-        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"one of {KL_ESTIMATORS}")
-        need(isinstance(self.overlong_filter, bool), "overlong_filter", "True or False")
-        need(self.rollout_is in correction.IS_MODES, "rollout_is", f"one of {correction.IS_MODES}")
+        errors.require(self, self.espo_ratio in ESPO_RATIOS, "espo_ratio", f"one of {ESPO_RATIOS}")
+        errors.require(
+            self, errors.is_real(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "a float >= 0"
+        )
+        errors.require(
+            self, self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"one of {KL_ESTIMATORS}"
+        )
+        errors.require(
+            self, isinstance(self.overlong_filter, bool), "overlong_filter", "True or False"
+        )
+        errors.require(
+            self,
+            self.rollout_is in correction.IS_MODES,
+            "rollout_is",
+            f"one of {correction.IS_MODES}",
+        )
         cap = self.rollout_is_cap
-        need(is_num(cap) and cap >= 1, "rollout_is_cap", "a float >= 1")
-        need(self.rollout_rs in correction.RS_MODES, "rollout_rs", f"one of {correction.RS_MODES}")
+        errors.require(self, errors.is_real(cap) and cap >= 1, "rollout_is_cap", "a float >= 1")
+        errors.require(
+            self,
+            self.rollout_rs in correction.RS_MODES,
+            "rollout_rs",
+            f"one of {correction.RS_MODES}",
+        )
         for field in ("rollout_rs_low", "rollout_rs_high"):
             value = getattr(self, field)
-            need(value is None or (is_num(value) and value >= 0), field, "None or a float >= 0")
-            need(
+            errors.require(
+                self,
+                value is None or (errors.is_real(value) and value >= 0),
+                field,
+                "None or a float >= 0",
+            )
+            errors.require(
+                self,
                 value is None or self.rollout_rs != "none",
                 field,
                 "None while rollout_rs='none' (set rollout_rs to reject)",
             )
         low, high = correction.rs_band(self.rollout_rs, self.rollout_rs_low, self.rollout_rs_high)
-        need(low < high, "rollout_rs_high", f"above rollout_rs_low ({low})")
+        errors.require(self, low < high, "rollout_rs_high", f"above rollout_rs_low ({low})")
 
     @property
     def eps_low(self) -> float | None:
@@ -229,7 +274,7 @@ def aggregate(
     if agg == "seq-mean-token-sum-norm":
         norm = token_losses.shape[-1] if norm_length is None else norm_length
         return summed.sum() / norm, num_seqs
-    raise ValueError(f"agg={agg!r} is invalid: one of {AGG_MODES}")
+    raise errors.InvalidValue("", "agg", agg, f"one of {AGG_MODES}")
 
 
 def kl_penalty(
@@ -248,7 +293,7 @@ def kl_penalty(
     if estimator == "k3":
         log_ratio = jnp.clip(-diff, -20.0, 20.0)  # [B, T] log(pi_ref / pi)
         return jnp.clip(jnp.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
-    raise ValueError(f"estimator={estimator!r} is invalid: one of {KL_ESTIMATORS}")
+    raise errors.InvalidValue("", "estimator", estimator, f"one of {KL_ESTIMATORS}")
 
 
 def _ppo_clip(
@@ -362,7 +407,7 @@ def entropy_groups(
     -inf, so it moves no threshold and lands in the last group; callers select with the mask.
     """
     if scope not in QUANTILE_SCOPES:
-        raise ValueError(f"scope={scope!r} is invalid: one of {QUANTILE_SCOPES}")
+        raise errors.InvalidValue("", "scope", scope, f"one of {QUANTILE_SCOPES}")
     valid = mask.astype(bool)
     if num_groups == 1:
         return jnp.zeros(valid.shape, jnp.int32)

@@ -32,6 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from espo import errors
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -262,9 +264,9 @@ class MetricsLogger:
         tensorboard: bool = True,
     ):
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
-            raise ValueError(f"MetricsLogger.total_steps must be an int >= 0, got {total_steps!r}")
+            raise errors.InvalidValue("MetricsLogger", "total_steps", total_steps, "an int >= 0")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"MetricsLogger.start_step must be an int >= 0, got {start_step!r}")
+            raise errors.InvalidValue("MetricsLogger", "start_step", start_step, "an int >= 0")
         self.workdir = pathlib.Path(workdir)
         self.path = self.workdir / METRICS_FILE
         self.is_main_process = is_main_process

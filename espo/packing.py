@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from espo import errors
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Packing:
@@ -117,7 +119,7 @@ def plan(
     if mask.ndim != 2:
         raise ValueError(f"attention_mask must be [N, T], got shape {mask.shape}")
     if not (isinstance(budget, int) and budget >= 1):
-        raise ValueError(f"budget={budget!r} is invalid: an int >= 1")
+        raise errors.InvalidValue("", "budget", budget, "an int >= 1")
     length = mask.sum(-1).astype(np.int32)  # [N]
     start = np.where(length > 0, mask.argmax(-1), 0).astype(np.int32)  # [N]
     t = np.arange(mask.shape[1])[None, :]

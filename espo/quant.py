@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from espo import errors
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GRANULARITIES = ("channel", "block")
@@ -87,9 +89,9 @@ def quantize_tensor(
 ) -> Fp8Tensor:
     """Quantize one weight to FP8 with per-channel or per-block absmax scales."""
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity={granularity!r} is invalid; valid: {GRANULARITIES}")
+        raise errors.InvalidValue("", "granularity", granularity, f"{GRANULARITIES}")
     if granularity == "block" and block_size < 1:
-        raise ValueError(f"block_size={block_size} is invalid: >= 1")
+        raise errors.InvalidValue("", "block_size", block_size, ">= 1")
     lead, rows, cols = _canonical_shape(w.shape, num_in_axes, num_out_axes)
     x = jnp.asarray(w, jnp.float32).reshape(*lead, rows, cols)
     if granularity == "channel":

@@ -37,7 +37,6 @@ texts the reward function saw, and per-phase timings and scheduling metrics:
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -45,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from espo import sampler, scheduling, types
+from espo import errors, sampler, scheduling, types
 from espo.model import config as config_lib
 from espo.model import handle
 from espo.rewards import pool as pool_lib
@@ -53,8 +52,7 @@ from espo.rewards import pool as pool_lib
 SCHEDULES = ("length_aware", "fifo")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+_is_int = errors.is_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,17 +84,13 @@ class RolloutConfig:
             "num_shards": (_is_int(self.num_shards) and self.num_shards >= 1, "an int >= 1"),
             "overlap_rewards": (isinstance(self.overlap_rewards, bool), "True or False"),
         }
-        for field, (ok, valid) in checks.items():
-            if not ok:
-                raise ValueError(
-                    f"RolloutConfig.{field}={getattr(self, field)!r} is invalid: {valid}"
-                )
+        errors.check(self, checks)
         if self.sampling.max_new_tokens > self.buckets.generation_buckets[-1]:
-            raise ValueError(
-                f"RolloutConfig.sampling.max_new_tokens={self.sampling.max_new_tokens} is "
-                f"invalid: <= the largest generation bucket, "
-                f"buckets.generation_buckets={self.buckets.generation_buckets}"
-            )
+            raise errors.InvalidValue(
+                "RolloutConfig.sampling", "max_new_tokens", self.sampling.max_new_tokens,
+                "<= the largest generation bucket, "
+                f"buckets.generation_buckets={self.buckets.generation_buckets}",
+            )  # fmt: skip
 
     def plan_kwargs(self) -> dict:
         """The keyword arguments every `scheduling` planner takes."""
@@ -221,10 +215,10 @@ def _check_inputs(
     except TypeError:  # neither an int nor a sequence (a bool, a float): refused below
         sizes = []
     if len(sizes) != len(prompts) or not all(_is_int(g) and g >= 1 for g in sizes):
-        raise ValueError(
-            f"group_sizes={group_sizes!r} is invalid: an int >= 1, or one int >= 1 per prompt "
-            f"({len(prompts)} prompts)"
-        )
+        raise errors.InvalidValue(
+            "", "group_sizes", group_sizes,
+            f"an int >= 1, or one int >= 1 per prompt ({len(prompts)} prompts)",
+        )  # fmt: skip
     if predictor is not None and prompt_ids is None:
         raise ValueError(
             "prompt_ids=None with a predictor: its history is keyed by prompt id, and batch "
@@ -465,7 +459,7 @@ def generate_and_score(
         `RewardPool(detokenize=...)`); a callable: detokenize on the host, serially.
     """
     if not isinstance(config, RolloutConfig):
-        raise ValueError(f"config={config!r} is invalid: an espo.rollout.RolloutConfig")
+        raise errors.InvalidValue("", "config", config, "an espo.rollout.RolloutConfig")
     sizes = _check_inputs(
         prompts=prompts, prompt_texts=prompt_texts, metas=metas, group_sizes=group_sizes,
         predictor=predictor, prompt_ids=prompt_ids, reward_pool=reward_pool,

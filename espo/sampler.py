@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import scheduling, sharding, types
+from espo import errors, scheduling, sharding, types
 from espo.model import config as config_lib
 from espo.model import handle, layers, transformer
 
@@ -52,8 +52,7 @@ DEFAULT_BUCKETS = scheduling.LengthBuckets(
 SampleOutput = types.SampleOutput  # what `sample` and `sample_chunk` return
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+_is_int = errors.is_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,11 +94,7 @@ class SamplingParams:
             ),
             "pad_id": (_is_int(self.pad_id) and self.pad_id >= 0, "a token id >= 0"),
         }
-        for field, (ok, valid) in checks.items():
-            if not ok:
-                raise ValueError(
-                    f"SamplingParams.{field}={getattr(self, field)!r} is invalid: {valid}"
-                )
+        errors.check(self, checks)
         object.__setattr__(self, "pad_id", int(self.pad_id))
 
 
@@ -451,7 +446,7 @@ def sample(
         stop_ids=stop_ids, pad_id=pad_id,
     )  # fmt: skip
     if not _is_int(num_samples) or num_samples < 1:
-        raise ValueError(f"num_samples={num_samples!r} is invalid: an int >= 1")
+        raise errors.InvalidValue("", "num_samples", num_samples, "an int >= 1")
     lengths = np.asarray(prompt_lengths)
     if lengths.min() < 1:
         raise ValueError(f"prompt_lengths must be >= 1, got min {lengths.min()}")

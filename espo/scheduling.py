@@ -28,12 +28,14 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from espo import errors
+
 
 def _ascending(name: str, value: Sequence[int]) -> tuple[int, ...]:
     values = tuple(value)
     ok = bool(values) and all(isinstance(v, int | np.integer) and v > 0 for v in values)
     if not ok or any(a >= b for a, b in zip(values[:-1], values[1:], strict=True)):
-        raise ValueError(f"LengthBuckets.{name} must be strictly ascending ints > 0, got {value!r}")
+        raise errors.InvalidValue("LengthBuckets", name, value, "strictly ascending ints > 0")
     return tuple(int(v) for v in values)
 
 
@@ -88,7 +90,7 @@ class LengthBuckets:
         A prediction past the largest bucket gets the largest: max_new_tokens caps it anyway.
         """
         if not (math.isfinite(predicted_length) and predicted_length >= 0):
-            raise ValueError(f"predicted_length must be finite and >= 0, got {predicted_length}")
+            raise errors.InvalidValue("", "predicted_length", predicted_length, "finite and >= 0")
         i = bisect.bisect_left(self.generation_buckets, math.ceil(predicted_length))
         return self.generation_buckets[min(i, len(self.generation_buckets) - 1)]
 
@@ -117,9 +119,9 @@ class Request:
 
     def __post_init__(self):
         if self.prompt_length < 0:
-            raise ValueError(f"Request.prompt_length must be >= 0, got {self.prompt_length}")
+            raise errors.InvalidValue("Request", "prompt_length", self.prompt_length, ">= 0")
         if self.difficulty is not None and not 0.0 <= self.difficulty <= 1.0:
-            raise ValueError(f"Request.difficulty must be in [0, 1] or None, got {self.difficulty}")
+            raise errors.InvalidValue("Request", "difficulty", self.difficulty, "in [0, 1] or None")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -210,13 +212,13 @@ class LengthPredictor:
         )
         for name, ok, valid in checks:
             if not ok:
-                raise ValueError(f"LengthPredictor.{name}={getattr(self, name)!r}: must be {valid}")
+                raise errors.InvalidValue("LengthPredictor", name, getattr(self, name), f"{valid}")
 
     def observe_requests(self, requests: Sequence[Request], lengths: Sequence[int]) -> None:
         """Records a finished step: lengths[i] is what requests[i] generated, EOS included."""
         lengths = np.asarray(lengths, np.float64)
         if lengths.shape != (len(requests),) or not np.all((lengths >= 0) & (lengths < np.inf)):
-            raise ValueError(f"lengths must be {len(requests)} finite values >= 0, got {lengths}")
+            raise errors.InvalidValue("", "lengths", lengths, f"{len(requests)} finite values >= 0")
         groups: dict[str, tuple[Request, list[float]]] = {}
         for request, length in zip(requests, lengths, strict=True):
             groups.setdefault(str(request.prompt_id), (request, []))[1].append(float(length))
@@ -265,7 +267,7 @@ def balance_lpt(costs: Sequence[float], *, num_shards: int) -> list[int]:
     load is <= sum / num_shards + max cost, and <= (4/3 - 1/(3 num_shards)) x the optimum.
     """
     if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        raise errors.InvalidValue("", "num_shards", num_shards, ">= 1")
     loads, shards = [(0.0, s) for s in range(num_shards)], [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         load, shards[i] = heapq.heappop(loads)
@@ -336,7 +338,7 @@ def plan_chunks(
     else:
         pred = np.asarray(predictor_or_predictions, np.float64)
     if pred.shape != (len(requests),) or not np.all(pred >= 0):  # +inf: budget max_new_tokens
-        raise ValueError(f"predictions must be {len(requests)} lengths >= 0, got {pred}")
+        raise errors.InvalidValue("", "predictions", pred, f"{len(requests)} lengths >= 0")
     rows = [
         _Row(i, min(float(p), max_new_tokens), 0, r.prompt_length)
         for i, (r, p) in enumerate(zip(requests, pred, strict=True))
@@ -405,7 +407,7 @@ def simulate(
     """
     true_lengths = np.asarray(true_lengths, np.int64)
     if true_lengths.shape != (len(requests),) or np.any(true_lengths < 1):
-        raise ValueError(f"true_lengths must be {len(requests)} ints >= 1, got {true_lengths}")
+        raise errors.InvalidValue("", "true_lengths", true_lengths, f"{len(requests)} ints >= 1")
     records, pending = [], list(chunks)
     while pending:
         unfinished = []

@@ -8,6 +8,7 @@ Importing this module needs only espo; building Hugging Face models needs the `t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -19,6 +20,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from espo import errors
 
 
 def make_hf_checkpoint(
@@ -381,3 +384,15 @@ class FromSource:
 
     def __reduce__(self):
         return (eval, (f"(lambda ns: (exec({self.source!r}, ns), ns['reward'])[1])({{}})",))
+
+
+@contextlib.contextmanager
+def raises_invalid(field: str, *, where: str | None = None, kind: type = errors.InvalidValue):
+    """`pytest.raises(kind)` that checks the error's field (and owner), not its wording."""
+    import pytest  # only tests call this
+
+    with pytest.raises(kind) as info:
+        yield info
+    got = info.value
+    assert got.field == field, f"field {got.field!r}, expected {field!r}: {got}"
+    assert where is None or got.where == where, f"where {got.where!r}, expected {where!r}: {got}"

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import advantages, batching, correction, losses, packing, types
+from espo import advantages, batching, correction, errors, losses, packing, types
 from espo.model import config as config_lib
 from espo.model import transformer
 
@@ -61,7 +61,7 @@ class EntropyConfig:
     def __post_init__(self) -> None:
         for name, valid in (("espo", ESPO_ENTROPY_SOURCES), ("rl_zvp", RL_ZVP_ENTROPY_SOURCES)):
             if getattr(self, name) not in valid:
-                raise ValueError(f"EntropyConfig.{name}={getattr(self, name)!r}; valid: {valid}")
+                raise errors.InvalidValue("EntropyConfig", name, getattr(self, name), f"{valid}")
 
 
 def select_entropies(
@@ -74,7 +74,7 @@ def select_entropies(
     """The entropies named by `source` ("old", "sampler" or "current"), detached."""
     options = {"old": old, "sampler": sampler, "current": current}
     if source not in options:
-        raise ValueError(f"entropy source={source!r}; valid: {tuple(options)}")
+        raise errors.InvalidValue("entropy", "source", source, f"{tuple(options)}")
     if options[source] is None:
         raise ValueError(f"entropy source={source!r} was selected but its entropies were not given")
     return jax.lax.stop_gradient(jnp.asarray(options[source], jnp.float32))
@@ -108,7 +108,7 @@ def token_logps(
     token of every segment gets 0, as the first token of an unpacked row.
     """
     if not isinstance(temperature, int | float) or temperature < 0:
-        raise ValueError(f"temperature={temperature!r}; valid: a float >= 0 (0: greedy, as 1)")
+        raise errors.InvalidValue("", "temperature", temperature, "a float >= 0 (0: greedy, as 1)")
     if tokens.ndim != 2 or jnp.shape(attention_mask) != tokens.shape:
         raise ValueError(
             f"tokens and attention_mask must both be [B, T]; got {tokens.shape} and "

@@ -37,6 +37,7 @@ from espo import (
     batching,
     checkpoint,
     curriculum,
+    errors,
     evaluate,
     metrics,
     packing,
@@ -74,12 +75,14 @@ def params_of_run(workdir: str, model_cfg) -> dict:
     """The params of the newest checkpoint of the espo run in `workdir` (read only), e.g. one
     warm start shared by the arms of an experiment; its model config must equal this run's."""
     directory = pathlib.Path(workdir) / "checkpoints"
-    where = f"--config.model.init_from={workdir!r}"
     if not directory.is_dir():
-        raise FileNotFoundError(f"{where}: not an espo workdir (no {directory})")
+        raise config_lib.ConfigError(
+            "--config.model", "init_from", workdir, f"an espo workdir (no {directory})"
+        )
     with checkpoint.Checkpointer(directory, every_steps=1, keep=1, read_only=True) as ckpt:
         if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"{where}: no checkpoint in {directory}")
+            valid = f"a workdir with a checkpoint (none in {directory})"
+            raise config_lib.ConfigError("--config.model", "init_from", workdir, valid)
         params, host = ckpt.restore_params()
     checkpoint.check_model_config(host["model_config"], _model_dict(model_cfg))
     return params
@@ -93,9 +96,10 @@ def reward_fn_of(s: config_lib.Settings):
             return getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
             raise config_lib.ConfigError(
-                f"--config.reward.function={s.reward.function!r} is invalid: {e} (a picklable "
-                "fn(prompt, completion, meta) -> float at module level of an importable module)"
-            ) from None
+                "--config.reward", "function", s.reward.function,
+                f"a picklable fn(prompt, completion, meta) -> float at module level of an "
+                f"importable module ({e})",
+            ) from None  # fmt: skip
     if s.data.source == "chains":
         from espo.data import chains
 
@@ -123,7 +127,8 @@ def _reward_model(s: config_lib.Settings, tok):
         )
         tokenizer_lib.check_vocab(tok, rm.cfg.vocab_size)
     except (OSError, ValueError) as e:
-        raise config_lib.ConfigError(f"--config.reward.model_path={r.model_path!r}: {e}") from None
+        valid = f"a reward model saved by model_rewards.save ({e})"
+        raise config_lib.ConfigError("--config.reward", "model_path", r.model_path, valid) from None
     return rm
 
 
@@ -161,9 +166,9 @@ class _Host:
     def load(self, d: dict) -> None:
         if d.get("format") != HOST_FORMAT:
             raise checkpoint.CheckpointMismatchError(
-                f"the checkpoint's host state is {d.get('format')!r}, this trainer reads "
-                f"{HOST_FORMAT!r}; start a fresh run in another workdir (--workdir)"
-            )
+                "host state", "format", d.get("format"),
+                f"{HOST_FORMAT!r}, what this trainer reads; start a fresh run in another workdir",
+            )  # fmt: skip
         self.stream.load_state_dict(d["stream"])
         self.curriculum = curriculum.CurriculumState.from_state_dict(d["curriculum"])
         self.history = zero_variance.PassRateHistory.from_state_dict(d["history"])
@@ -238,7 +243,13 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     stop = dict(stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
 
     # ---- data -----------------------------------------------------------------------------------
-    train_src, eval_src = sources.make_sources(s.data)
+    try:
+        train_src, eval_src = sources.make_sources(s.data)
+    except errors.InvalidValue as e:  # a data setting (DataConfig / data): name its --config key
+        if type(e) is not errors.InvalidValue:
+            raise  # a malformed record (DataError) names its file and line
+        key = "--config.data" + e.where.removeprefix("DataConfig").removeprefix("data")
+        raise e.moved(key, errors.ConfigError) from None
     encoded: dict[str, list[int]] = {}
     encode = lambda e: encoded.setdefault(e.id, tok.encode_prompt(e.prompt))
     # The held-out half named by eval.split (test: report; dev: tune), prompts that fit; a

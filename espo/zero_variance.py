@@ -69,6 +69,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from espo import errors
+
 Prompt = Any  # a prompt record: text, or a JSON-like mapping from a dataset row
 FORMAT = "espo.pass_rates.v1"
 ZVE_MODES = ("resample", "rl_zvp", "drop")
@@ -146,13 +148,21 @@ class PassRateTable:
     success_threshold: float = 0.0  # a sample passed when its reward is > this
 
     def __post_init__(self) -> None:
-        if not isinstance(self.policy_tag, str) or not self.policy_tag:
-            raise ValueError(f"PassRateTable.policy_tag={self.policy_tag!r}; need a non-empty str")
-        if not _is_int(self.num_samples) or self.num_samples < 1:
-            raise ValueError(f"PassRateTable.num_samples={self.num_samples!r}; need an int >= 1")
         bad = {k: v for k, v in self.pass_rates.items() if not 0.0 <= v <= 1.0}
-        if bad:
-            raise ValueError(f"PassRateTable.pass_rates must lie in [0, 1]; got {bad}")
+        errors.check(
+            self,
+            {
+                "policy_tag": (
+                    isinstance(self.policy_tag, str) and self.policy_tag,
+                    "a non-empty str",
+                ),
+                "num_samples": (
+                    errors.is_int(self.num_samples) and self.num_samples >= 1,
+                    "an int >= 1",
+                ),
+                "pass_rates": (not bad, f"rates in [0, 1]; not {bad}"),
+            },
+        )
 
     def save(self, path: str | os.PathLike, *, overwrite_other_tag: bool = False) -> None:
         """Writes atomically (temp file + os.replace); refuses to replace another policy's table."""
@@ -251,7 +261,7 @@ def prefilter(
     keeps everything at weight 1 and only measures.
     """
     if mode not in PREFILTER_MODES:
-        raise ValueError(f"prefilter mode={mode!r}; valid: {PREFILTER_MODES}")
+        raise errors.InvalidValue("prefilter", "mode", mode, f"one of {PREFILTER_MODES}")
     rates = np.array([table.pass_rates.get(id_fn(p), np.nan) for p in prompts], np.float64)
     known = ~np.isnan(rates)
     flagged = predicted_zero_variance(rates, low=low, high=high)  # [P]
@@ -349,10 +359,13 @@ class PassRateHistory:
     counts: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # id -> [pass, fail]
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"PassRateHistory.decay={self.decay!r}; valid: (0, 1]")
-        if len(self.prior) != 2 or min(self.prior) <= 0:
-            raise ValueError(f"PassRateHistory.prior={self.prior!r}; valid: two counts > 0")
+        errors.check(
+            self,
+            {
+                "decay": (lambda: 0.0 < self.decay <= 1.0, "(0, 1]"),
+                "prior": (lambda: len(self.prior) == 2 and min(self.prior) > 0, "two counts > 0"),
+            },
+        )
 
     @classmethod
     def from_table(cls, table: PassRateTable, **kwargs: Any) -> PassRateHistory:
@@ -399,26 +412,25 @@ class PassRateHistory:
 # ---------------------------------------------------------------- stage 4: optimisation
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 # field -> (is valid given (config, value), what is valid); checked in ZveConfig.__post_init__.
 _ZVE_RULES: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "mode": (lambda c, v: v in ZVE_MODES, f"one of {ZVE_MODES}"),
-    "max_resample_rounds": (lambda c, v: _is_int(v) and v >= 0, "an int >= 0"),
+    "max_resample_rounds": (lambda c, v: errors.is_int(v) and v >= 0, "an int >= 0"),
     "oversample": (lambda c, v: v >= 1.0, "a float >= 1"),
     "max_oversample": (lambda c, v: v >= c.oversample, "a float >= oversample"),
-    "max_carry_over_steps": (lambda c, v: _is_int(v) and v >= 0, "an int >= 0"),
+    "max_carry_over_steps": (lambda c, v: errors.is_int(v) and v >= 0, "an int >= 0"),
     "atol": (lambda c, v: v >= 0, "a float >= 0"),
     "prefilter": (lambda c, v: v in PREFILTER_MODES, f"one of {PREFILTER_MODES}"),
     "prefilter_low": (lambda c, v: 0 <= v < 1, "[0, 1)"),
     "prefilter_high": (lambda c, v: c.prefilter_low < v <= 1, "(prefilter_low, 1]"),
     "prefilter_downweight": (lambda c, v: 0 <= v <= 1, "[0, 1]"),
-    "group_size": (lambda c, v: _is_int(v) and v >= 1, "an int >= 1"),
-    "max_group_size": (lambda c, v: _is_int(v) and v >= c.group_size, "an int >= group_size"),
+    "group_size": (lambda c, v: errors.is_int(v) and v >= 1, "an int >= 1"),
+    "max_group_size": (lambda c, v: errors.is_int(v) and v >= c.group_size, "an int >= group_size"),
     "zvp_target": (lambda c, v: 0 < v < 1, "(0, 1)"),
-    "rollout_budget": (lambda c, v: v is None or (_is_int(v) and v >= 1), "None or an int >= 1"),
+    "rollout_budget": (
+        lambda c, v: v is None or (errors.is_int(v) and v >= 1),
+        "None or an int >= 1",
+    ),
 }
 
 
@@ -442,14 +454,10 @@ class ZveConfig:
     rollout_budget: int | None = None  # rollout stage: cap on sum(G) per batch; None: no cap
 
     def __post_init__(self) -> None:
-        for name, (is_valid, valid) in _ZVE_RULES.items():
-            value = getattr(self, name)
-            try:
-                ok = is_valid(self, value)
-            except TypeError:  # e.g. a str where a number belongs
-                ok = False
-            if not ok:
-                raise ValueError(f"ZveConfig.{name}={value!r}; valid: {valid}")
+        rules = _ZVE_RULES.items()
+        errors.check(
+            self, {f: (lambda f=f, ok=ok: ok(self, getattr(self, f)), v) for f, (ok, v) in rules}
+        )
 
     def group_sizes(self, pass_rates: Sequence[float | None] | np.ndarray) -> np.ndarray:
         """The rollout-stage G of each prompt (NaN / None: unknown prompt, gets group_size)."""
@@ -515,7 +523,7 @@ class Groups:
                 )
             set_(name, value)
         if (self.ages < 0).any():
-            raise ValueError(f"Groups.ages={self.ages}; valid: ints >= 0")
+            raise errors.InvalidValue("Groups", "ages", self.ages, "ints >= 0")
         rows = {k: np.asarray(v) for k, v in self.rows.items()}
         bad = {k: v.shape for k, v in rows.items() if v.ndim == 0 or v.shape[0] != n}
         if bad:
@@ -675,8 +683,8 @@ def fill_batch(
     `history` is updated in place with every newly generated group, ZVP groups included,
     buffered ones not again.
     """
-    if not _is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r}; valid: an int >= 1")
+    if not errors.is_int(batch_size) or batch_size < 1:
+        raise errors.InvalidValue("", "batch_size", batch_size, "an int >= 1")
     buffer = Groups.empty() if buffer is None else buffer
     limit = config.max_carry_over_steps
     fresh = np.flatnonzero(buffer.ages <= limit)  # a buffered group's age is its age now

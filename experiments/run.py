@@ -22,10 +22,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from espo import checkpoint, trainer
-from espo import config as config_lib
-from espo.data import sources
-from espo.model import hf
+from espo import errors, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Run configuration.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory; overrides config.workdir.")
@@ -36,14 +33,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     try:
         trainer.train(_CONFIG.value, _WORKDIR.value)
-    except config_lib.ConfigError as e:
-        sys.exit(f"config error: {e}")
-    except sources.BadRecordError as e:  # a malformed data file: the file, the line, the field
-        sys.exit(f"data error: {e}")
-    except (checkpoint.CheckpointMismatchError, hf.CheckpointError) as e:  # workdir / HF dir
-        sys.exit(f"checkpoint error: {e}")
-    except FileNotFoundError as e:  # a path the config names (data file, checkpoint dir files)
-        sys.exit(f"missing file: {e}")
+    except errors.InvalidValue as e:  # a config value, data file or checkpoint: one line
+        sys.exit(f"{e.kind}: {e}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from absl.testing import parameterized
 from hypothesis import strategies as st
 
 from espo import advantages
+from espo.testing import raises_invalid
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 CFG = advantages.AdvantageConfig()
@@ -76,11 +77,11 @@ def test_degenerate_groups_get_zero_not_nan(scale_by_std):
 
 
 def test_config_errors_name_field_value_and_options():
-    with pytest.raises(ValueError, match=r"AdvantageConfig.estimator='ppo'; valid: one of"):
+    with raises_invalid("estimator", where="AdvantageConfig"):
         advantages.AdvantageConfig(estimator="ppo")
-    with pytest.raises(ValueError, match=r"AdvantageConfig.eps=-1.0; valid: a float >= 0"):
+    with raises_invalid("eps", where="AdvantageConfig"):
         advantages.AdvantageConfig(eps=-1.0)
-    with pytest.raises(ValueError, match=r"AdvantageConfig.rl_zvp=1; valid: a bool"):
+    with raises_invalid("rl_zvp", where="AdvantageConfig"):
         advantages.AdvantageConfig(rl_zvp=1)
     with pytest.raises(ValueError, match=r"AdvantageConfig.atol='0'"):
         advantages.AdvantageConfig(atol="0")
@@ -649,10 +650,10 @@ def test_rl_zvp_shape_errors_say_what_they_got():
         ("success_threshold", None, "a float"),
     ],
 )
-def test_config_error_messages_in_full(field, value, valid):
-    want = f"AdvantageConfig.{field}={value!r}; valid: {valid}"
-    with pytest.raises(ValueError, match="^" + re.escape(want) + "$"):
+def test_config_errors_name_the_field_and_value(field, value, valid):
+    with raises_invalid(field, where="AdvantageConfig") as info:
         advantages.AdvantageConfig(**{field: value})
+    assert info.value.value == value and info.value.valid == valid
 
 
 def test_config_accepts_its_boundaries():

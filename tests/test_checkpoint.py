@@ -15,6 +15,7 @@ import optax
 import pytest
 
 from espo import checkpoint
+from espo.testing import raises_invalid
 
 
 def _train_state():
@@ -87,7 +88,7 @@ def test_save_schedule_and_force(tmp_path):
         assert ckpt.all_steps() == [3, 4, 6]
         with pytest.raises(ValueError, match="newer step 6"):
             ckpt.save(5, state=state, host={}, force=True)
-        with pytest.raises(ValueError, match="step must be an int >= 0, got 9.0"):
+        with raises_invalid("step"):
             ckpt.save(9.0, state=state, host={})
 
 
@@ -143,9 +144,9 @@ def test_host_must_be_json(tmp_path):
 
 
 def test_bad_arguments_name_the_field(tmp_path):
-    with pytest.raises(ValueError, match="Checkpointer.every_steps must be an int >= 1, got 0"):
+    with raises_invalid("every_steps", where="Checkpointer"):
         checkpoint.Checkpointer(tmp_path, every_steps=0, keep=1)
-    with pytest.raises(ValueError, match="Checkpointer.keep must be an int >= 1, got 0"):
+    with raises_invalid("keep", where="Checkpointer"):
         checkpoint.Checkpointer(tmp_path, every_steps=1, keep=0)
 
 
@@ -154,12 +155,13 @@ def test_model_config_mismatch_names_every_field():
     current = {"num_layers": 4, "moe": {"num_experts": 8, "top_k": 2}, "dims": (8, 16), "y": 1}
     with pytest.raises(checkpoint.CheckpointMismatchError) as err:
         checkpoint.check_model_config(saved, current)
-    lines = str(err.value).splitlines()
-    assert "  num_layers: checkpoint 2, config 4" in lines
-    assert "  moe.num_experts: checkpoint 4, config 8" in lines
-    assert '  x: checkpoint "a", config <absent>' in lines
-    assert "  y: checkpoint <absent>, config 1" in lines
-    assert "4 fields" in lines[0] and "another workdir" in lines[-1]
+    lines = err.value.valid.split(": ", 1)[1].split("; ")
+    assert "num_layers: checkpoint 2, config 4" in lines
+    assert "moe.num_experts: checkpoint 4, config 8" in lines
+    assert 'x: checkpoint "a", config <absent>' in lines
+    assert lines[-1].startswith("y: checkpoint <absent>, config 1")
+    assert err.value.field == "moe.num_experts" and "\n" not in str(err.value)
+    assert "4 fields differ" in err.value.valid and "another workdir" in lines[-1]
     assert "top_k" not in str(err.value) and "dims" not in str(err.value)  # equal, tuple == list
     checkpoint.check_model_config(saved, dict(saved))  # equal configs pass
 

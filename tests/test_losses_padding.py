@@ -19,6 +19,7 @@ import pytest
 from absl.testing import parameterized
 
 from espo import losses
+from espo.testing import raises_invalid
 
 B, T = 4, 6
 FIELDS = ("logps", "old_logps", "advantages", "entropies", "ref_logps")
@@ -185,7 +186,7 @@ def test_overlong_filter_needs_finished_with_batch_shape():
         losses.compute_loss(cfg, **batch)
     with pytest.raises(ValueError, match=r"finished must be \[B\]"):
         losses.compute_loss(cfg, **batch, finished=jnp.ones((B, T), bool))
-    with pytest.raises(ValueError, match=r"LossConfig\.overlong_filter=1 is invalid"):
+    with raises_invalid("overlong_filter", where="LossConfig"):
         losses.LossConfig(name="grpo", overlong_filter=1)
 
 

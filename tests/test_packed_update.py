@@ -29,6 +29,7 @@ import pytest
 from espo import advantages, batching, losses, metrics, packing, testing, train_step, trainer
 from espo import config as config_lib
 from espo import model as model_lib
+from espo.testing import raises_invalid
 
 # The router aux loss is a mean per micro-batch, and packed micro-batches group tokens unlike
 # padded ones: off where the two use different micro-batches (see test_aux_loss_...).
@@ -233,17 +234,14 @@ def _config(**train):
 
 
 def test_packing_config_errors_name_the_key():
-    with pytest.raises(
-        config_lib.ConfigError,
-        match=r"--config\.train\.max_tokens_per_micro_batch=0 is invalid: an int >= 1",
+    with raises_invalid(
+        "max_tokens_per_micro_batch", where="--config.train", kind=config_lib.ConfigError
     ):
         config_lib.Settings.from_config(_config(max_tokens_per_micro_batch=0))
     # tiny: max_prompt_length 32 + max_new_tokens 16; only checked when packing is on.
     config_lib.Settings.from_config(_config(max_tokens_per_micro_batch=40))
-    with pytest.raises(
-        config_lib.ConfigError,
-        match=r"--config\.train\.max_tokens_per_micro_batch=40 is invalid: >= "
-        r"data\.max_prompt_length \+ the largest max_new_tokens \(48\) with train\.packing",
+    with raises_invalid(
+        "max_tokens_per_micro_batch", where="--config.train", kind=config_lib.ConfigError
     ):
         config_lib.Settings.from_config(_config(max_tokens_per_micro_batch=40, packing=True))
 

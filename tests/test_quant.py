@@ -19,6 +19,7 @@ import pytest
 from absl.testing import parameterized
 
 from espo import model, quant
+from espo.testing import raises_invalid
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # 448
@@ -343,13 +344,11 @@ def test_quantize_tensor_defaults_errors_and_bf16_input():
     quant.quantize_tensor(
         jnp.ones((4, 8)), num_in_axes=1, num_out_axes=1, granularity="channel", block_size=0
     )
-    with pytest.raises(ValueError, match=r"^block_size=0 is invalid: >= 1$"):
+    with raises_invalid("block_size"):
         quant.quantize_tensor(
             jnp.ones((4, 8)), num_in_axes=1, num_out_axes=1, granularity="block", block_size=0
         )
-    with pytest.raises(
-        ValueError, match=r"^granularity='tensor' is invalid; valid: \('channel', 'block'\)$"
-    ):
+    with raises_invalid("granularity"):
         quant.quantize_tensor(jnp.ones((4, 8)), num_in_axes=1, num_out_axes=1, granularity="tensor")
     # A bfloat16 weight is quantized from its float32 value: scales = absmax / 448 in float32
     # (bf16 arithmetic would round the scale to 8 bits).

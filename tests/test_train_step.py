@@ -11,6 +11,7 @@ import pytest
 from absl.testing import parameterized
 
 from espo import advantages, model, sampler, scheduling, train_step
+from espo.testing import raises_invalid
 
 CFG = model.ModelConfig.tiny(vocab_size=64)
 B, T = 3, 9
@@ -140,7 +141,7 @@ def test_replaying_the_rollout_reproduces_the_sampler():
 
 def test_entropy_config_and_selection():
     assert train_step.EntropyConfig() == train_step.EntropyConfig(espo="old", rl_zvp="current")
-    with pytest.raises(ValueError, match=r"EntropyConfig.espo='current'; valid: \('old'"):
+    with raises_invalid("espo", where="EntropyConfig"):
         train_step.EntropyConfig(espo="current")  # ESPO's Eq. 6 is pi_old's entropy
     with pytest.raises(ValueError, match=r"EntropyConfig.rl_zvp='new'"):
         train_step.EntropyConfig(rl_zvp="new")

@@ -22,6 +22,7 @@ import pytest
 
 from espo import advantages, checkpoint
 from espo import zero_variance as zv
+from espo.testing import raises_invalid
 
 
 def make_prompts(rates) -> list[dict]:
@@ -761,28 +762,28 @@ def test_shaping_stage_is_measured_and_generate_is_checked():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "kwargs, field",
     [
-        (dict(mode="grpo"), "ZveConfig.mode='grpo'; valid: one of ('resample', 'rl_zvp', 'drop')"),
-        (dict(max_resample_rounds=-1), "ZveConfig.max_resample_rounds=-1; valid: an int >= 0"),
-        (dict(max_resample_rounds=1.5), "ZveConfig.max_resample_rounds=1.5"),
-        (dict(oversample=0.5), "ZveConfig.oversample=0.5; valid: a float >= 1"),
-        (dict(oversample="2"), "ZveConfig.oversample='2'"),
-        (dict(oversample=4.0, max_oversample=2.0), "ZveConfig.max_oversample=2.0"),
-        (dict(max_carry_over_steps=-1), "ZveConfig.max_carry_over_steps=-1"),
-        (dict(prefilter="maybe"), "ZveConfig.prefilter='maybe'; valid: one of ('off'"),
-        (dict(prefilter_high=0.0), "ZveConfig.prefilter_high=0.0; valid: (prefilter_low, 1]"),
-        (dict(prefilter_downweight=2.0), "ZveConfig.prefilter_downweight=2.0"),
-        (dict(group_size=0), "ZveConfig.group_size=0"),
-        (dict(group_size=8, max_group_size=4), "ZveConfig.max_group_size=4"),
-        (dict(zvp_target=1.0), "ZveConfig.zvp_target=1.0; valid: (0, 1)"),
-        (dict(rollout_budget=0), "ZveConfig.rollout_budget=0"),
+        (dict(mode="grpo"), "mode"),
+        (dict(max_resample_rounds=-1), "max_resample_rounds"),
+        (dict(max_resample_rounds=1.5), "max_resample_rounds"),
+        (dict(oversample=0.5), "oversample"),
+        (dict(oversample="2"), "oversample"),
+        (dict(oversample=4.0, max_oversample=2.0), "max_oversample"),
+        (dict(max_carry_over_steps=-1), "max_carry_over_steps"),
+        (dict(prefilter="maybe"), "prefilter"),
+        (dict(prefilter_high=0.0), "prefilter_high"),
+        (dict(prefilter_downweight=2.0), "prefilter_downweight"),
+        (dict(group_size=0), "group_size"),
+        (dict(group_size=8, max_group_size=4), "max_group_size"),
+        (dict(zvp_target=1.0), "zvp_target"),
+        (dict(rollout_budget=0), "rollout_budget"),
     ],
 )
-def test_config_errors_name_field_value_and_options(kwargs, message):
-    with pytest.raises(ValueError) as err:
+def test_config_errors_name_field_and_value(kwargs, field):
+    with raises_invalid(field, where="ZveConfig") as info:
         zv.ZveConfig(**kwargs)
-    assert message in str(err.value)
+    assert info.value.value == kwargs[field]
 
 
 def test_config_is_frozen_and_drives_group_sizes():

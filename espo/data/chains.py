@@ -51,6 +51,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from espo import errors
+
 TASK = "chains"
 FLAWS = ("none", "final_sign", "sign")
 OPERATORS = ("+", "-")
@@ -71,7 +73,7 @@ class Chain:
                 "and one operator fewer"
             )
         if any(op not in OPERATORS for op in self.ops):
-            raise ValueError(f"Chain.ops={self.ops!r}: valid operators {OPERATORS}")
+            raise errors.InvalidValue("Chain", "ops", self.ops, f"{OPERATORS}")
 
     @property
     def prompt(self) -> str:

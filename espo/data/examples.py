@@ -20,6 +20,8 @@ import json
 import math
 from typing import Any
 
+from espo import errors
+
 SOURCES = ("chains", "reasoning_gym", "jsonl", "parquet", "tfds")
 
 # Two levels of one procedural task, so the curriculum has something to order.
@@ -29,8 +31,7 @@ DEFAULT_TASKS = (
 )
 
 
-def _invalid(owner: str, field: str, value: Any, valid: str) -> ValueError:
-    return ValueError(f"{owner}.{field}={value!r} is invalid; valid: {valid}")
+_invalid = errors.InvalidValue
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -37,6 +37,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from espo import errors
 from espo.data import chains, worked
 from espo.data import examples as examples_lib
 
@@ -44,8 +45,7 @@ _EXTENSIONS = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", 
 _SKIP_HINT = "(set data.skip_bad_records=True to skip and count malformed records)"
 
 
-class BadRecordError(ValueError):
-    """A malformed record: the message names the file, the line / row and the field."""
+BadRecordError = errors.DataError  # a malformed record: the file and line, the field
 
 
 class Source:
@@ -97,11 +97,12 @@ def make_sources(cfg: examples_lib.DataConfig) -> tuple[Source, Source]:
     )
     for source, what in ((train_source, "training"), (eval_source, "held-out")):
         if not len(source):
-            raise ValueError(
-                f"data: no {what} examples from {_describe(cfg)} "
-                f"(read {len(everything)} records, skipped {train_skipped + eval_skipped} "
-                "malformed); check data.path / data.tasks / data.eval_fraction / data.eval_path"
-            )
+            raise errors.InvalidValue(
+                "data", f"{what} examples", 0,
+                f">= 1 from {_describe(cfg)} (read {len(everything)} records, skipped "
+                f"{train_skipped + eval_skipped} malformed); check data.path / data.tasks / "
+                "data.eval_fraction / data.eval_path",
+            )  # fmt: skip
     return train_source, eval_source
 
 
@@ -197,24 +198,24 @@ def _reasoning_gym_examples(cfg: examples_lib.DataConfig) -> list[examples_lib.E
     for i, (name, kwargs) in enumerate(examples_lib.parse_task_specs(cfg.tasks)):
         kwargs = dict(kwargs)
         difficulty = kwargs.pop("difficulty", math.nan)
-        where = f"DataConfig.tasks spec {i} ({name!r})"
+        where = f"DataConfig.tasks[{i}]"
         if name not in factory.DATASETS:
             close = difflib.get_close_matches(name, factory.DATASETS, n=5)
-            raise ValueError(
-                f"{where}: unknown reasoning_gym task; "
-                + (f"did you mean {', '.join(close)}? " if close else "")
-                + f"valid: {', '.join(sorted(factory.DATASETS))}"
-            )
+            raise errors.InvalidValue(
+                where, "name", name,
+                "a reasoning_gym task: " + (f"did you mean {', '.join(close)}? " if close else "")
+                + ", ".join(sorted(factory.DATASETS)),
+            )  # fmt: skip
         seed = _spec_seed(cfg.seed, i)
         try:
             dataset = reasoning_gym.create_dataset(name, size=cfg.size, seed=seed, **kwargs)
         except (TypeError, ValueError, AssertionError) as e:
             config_cls = factory.DATASETS[name][1]
             valid = sorted(f for f in config_cls.__dataclass_fields__ if f not in ("size", "seed"))
-            raise ValueError(
-                f"{where}: bad config {kwargs}: {type(e).__name__}: {e}; valid keys: "
-                f"difficulty, {', '.join(valid)}"
-            ) from e
+            raise errors.InvalidValue(
+                where, "settings", kwargs,
+                f"{type(e).__name__}: {e}; valid keys: difficulty, {', '.join(valid)}",
+            ) from e  # fmt: skip
         for j in range(len(dataset)):
             entry = examples_lib.jsonable(dataset[j])
             answer = entry.get("answer")
@@ -237,20 +238,21 @@ def _worked(entry: dict, answer: str, where: str) -> str:
     the generator's answer."""
     expression = (entry.get("metadata") or {}).get("expression")
     if not isinstance(expression, str):
-        raise ValueError(
-            f"{where}: data.worked_solutions=True needs an arithmetic task whose entries carry "
-            "metadata.expression (basic_arithmetic, chain_sum); this one has none"
-        )
+        raise errors.InvalidValue(
+            where, "name", entry.get("metadata", {}).get("source_dataset", "?"),
+            "an arithmetic task whose entries carry metadata.expression (basic_arithmetic, "
+            "chain_sum) with data.worked_solutions=True",
+        )  # fmt: skip
     try:
         solution = worked.arithmetic_solution(expression)
     except ValueError as e:
-        raise ValueError(f"{where}: data.worked_solutions=True: {e}") from e
+        raise errors.InvalidValue(where, "expression", expression, f"{e}") from e
     last = solution.rsplit("\n", 1)[-1]
     if last != answer:
-        raise ValueError(
-            f"{where}: worked solution of {expression!r} ends in {last!r}, the generator's "
-            f"answer is {answer!r}"
-        )
+        raise errors.InvalidValue(
+            where, "expression", expression,
+            f"one whose worked solution ends in the generator's answer {answer!r}, not {last!r}",
+        )  # fmt: skip
     return solution
 
 
@@ -285,12 +287,12 @@ def _read_examples(
         valid = _EXTENSIONS[cfg.source]
         ext = os.path.splitext(path)[1].lower()
         if ext not in valid:
-            raise ValueError(
-                f"DataConfig.{field}={path!r} has extension {ext!r}; valid for "
-                f"source={cfg.source!r}: {', '.join(valid)}"
-            )
+            raise errors.InvalidValue(
+                "DataConfig", field, path, f"a file ending in {', '.join(valid)} for "
+                f"source={cfg.source!r}",
+            )  # fmt: skip
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"DataConfig.{field}={path!r}: no such file")
+            raise errors.InvalidValue("DataConfig", field, path, "an existing file")
         task = _dataset_name(cfg, path)
         id_prefix, label = f"{cfg.source}:{task}", path
         if cfg.source == "jsonl":
@@ -304,7 +306,7 @@ def _read_examples(
         except BadRecordError as e:
             if not cfg.skip_bad_records:
                 where = index + 1 if unit == "line" else index
-                raise BadRecordError(f"{label}: {unit} {where}: {e} {_SKIP_HINT}") from None
+                raise e.moved(f"{label}: {unit} {where}") from None
             num_skipped += 1
     return out, num_skipped
 
@@ -316,14 +318,14 @@ def _jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield index, BadRecordError(f"not UTF-8 ({e})")
+                yield index, BadRecordError("", "line", valid=f"UTF-8 text ({e})", note=_SKIP_HINT)
                 continue
             if not line.strip():
                 continue
             try:
                 yield index, json.loads(line)
             except json.JSONDecodeError as e:
-                yield index, BadRecordError(f"bad JSON ({e})")
+                yield index, BadRecordError("", "line", valid=f"JSON ({e})", note=_SKIP_HINT)
 
 
 def _parquet_records(path: str) -> Iterator[tuple[int, Any]]:
@@ -332,7 +334,9 @@ def _parquet_records(path: str) -> Iterator[tuple[int, Any]]:
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for an unreadable file
-        raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+        raise errors.InvalidValue(
+            "DataConfig", "path", path, f"a readable parquet file ({type(e).__name__}: {e})"
+        ) from e
     yield from enumerate(table.to_pylist())
 
 
@@ -344,13 +348,11 @@ def _tfds_records(cfg: examples_lib.DataConfig, *, split: str, field: str):
             cfg.path, split=split, data_dir=cfg.tfds_data_dir or None, download=False
         )
     except Exception as e:  # tfds raises its own types (DatasetNotFoundError, ...)
-        what = f"DataConfig.path={cfg.path!r}" + (
-            f", DataConfig.eval_path={split!r}" if field == "eval_path" else f", split={split!r}"
-        )
-        raise ValueError(
-            f"{what}: cannot open the TFDS data source in "
-            f"tfds_data_dir={cfg.tfds_data_dir!r} ({type(e).__name__}: {str(e)[:500]})"
-        ) from e
+        raise errors.InvalidValue(
+            "DataConfig", "path", cfg.path,
+            f"a TFDS dataset with split {split!r} in tfds_data_dir={cfg.tfds_data_dir!r} "
+            f"({type(e).__name__}: {str(e)[:500]})",
+        ) from e  # fmt: skip
     for index in range(len(source)):
         yield index, source[index]
 
@@ -361,7 +363,7 @@ def _to_example(
     if isinstance(record, BadRecordError):
         raise record
     if not isinstance(record, dict):
-        raise BadRecordError(f"a record must be a JSON object, got {type(record).__name__}")
+        raise BadRecordError("", "record", type(record).__name__, "a JSON object", note=_SKIP_HINT)
     record = examples_lib.jsonable(record)
     prompt = _text_field(record, cfg.prompt_field, "prompt_field", numbers=False)
     answer = _text_field(record, cfg.answer_field, "answer_field", numbers=True)
@@ -369,15 +371,12 @@ def _to_example(
     if cfg.difficulty_field:
         value = _field(record, cfg.difficulty_field, "difficulty_field")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
+            value = None  # not a number: invalid below
+        if value is None or not 0.0 <= value <= 1.0:
             raise BadRecordError(
-                f"field {cfg.difficulty_field!r} (data.difficulty_field) is {value!r}; "
-                "valid: a number in [0, 1]"
-            )
-        if not 0.0 <= value <= 1.0:
-            raise BadRecordError(
-                f"field {cfg.difficulty_field!r} (data.difficulty_field) is {value!r}; "
-                "valid: a number in [0, 1]"
-            )
+                "", cfg.difficulty_field, record[cfg.difficulty_field],
+                "a number in [0, 1] (data.difficulty_field)", note=_SKIP_HINT,
+            )  # fmt: skip
         difficulty = float(value)
     own_task = record.get("task")
     meta = {**record, "answer": answer, "task": own_task if isinstance(own_task, str) else task}
@@ -389,10 +388,11 @@ def _to_example(
 def _field(record: dict, name: str, config_field: str) -> Any:
     if name not in record:
         raise BadRecordError(
-            f"missing field {name!r} (data.{config_field}); the record has {sorted(record)}"
-        )
+            "", name, valid=f"present (data.{config_field}); the record has {sorted(record)}",
+            note=_SKIP_HINT,
+        )  # fmt: skip
     if record[name] is None:
-        raise BadRecordError(f"field {name!r} (data.{config_field}) is null")
+        raise BadRecordError("", name, None, f"not null (data.{config_field})", note=_SKIP_HINT)
     return record[name]
 
 
@@ -402,9 +402,7 @@ def _text_field(record: dict, name: str, config_field: str, *, numbers: bool) ->
         value = str(value)
     if not isinstance(value, str):
         valid = "a string or a number" if numbers else "a string"
-        raise BadRecordError(
-            f"field {name!r} (data.{config_field}) is a {type(value).__name__}; valid: {valid}"
-        )
+        raise BadRecordError("", name, value, f"{valid} (data.{config_field})", note=_SKIP_HINT)
     if not value.strip():
-        raise BadRecordError(f"field {name!r} (data.{config_field}) is empty")
+        raise BadRecordError("", name, value, f"not empty (data.{config_field})", note=_SKIP_HINT)
     return value

@@ -18,6 +18,7 @@ from typing import Any
 
 import grain
 
+from espo import errors
 from espo.data import examples as examples_lib
 
 _STATE_VERSION = 1
@@ -28,7 +29,7 @@ class PromptStream:
 
     def __init__(self, source: Sequence[examples_lib.Example], *, seed: int) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"PromptStream.seed={seed!r} is invalid; valid: an int >= 0")
+            raise errors.InvalidValue("PromptStream", "seed", seed, "an int >= 0")
         if len(source) == 0:
             name = getattr(source, "name", type(source).__name__)
             raise ValueError(f"PromptStream: source {name!r} is empty; valid: >= 1 example")
@@ -54,7 +55,7 @@ class PromptStream:
         draws (default 100 * n) and then returns fewer than `n`.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"PromptStream.take: n={n!r} is invalid; valid: an int >= 0")
+            raise errors.InvalidValue("PromptStream.take", "n", n, "an int >= 0")
         if max_draws is None:
             max_draws = 100 * n
         if isinstance(max_draws, bool) or not isinstance(max_draws, int) or max_draws < 0:

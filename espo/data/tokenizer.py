@@ -27,6 +27,8 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from espo import errors
+
 PAD_ID = 0
 EOS_ID = 1
 _ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # "\n", then printable ASCII
@@ -104,7 +106,8 @@ class CharTokenizer:
 
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"HfTokenizer: {path} is missing (a Hugging Face checkpoint dir)")
+        directory, name = os.path.split(path)
+        raise errors.CheckpointError(directory, name, valid="present (a Hugging Face dir)")
     with open(path, encoding="utf-8") as f:
         try:
             data = json.load(f)
@@ -189,8 +192,8 @@ class HfTokenizer:
 
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
-            raise FileNotFoundError(
-                f"HfTokenizer: {tokenizer_file} is missing (a Hugging Face checkpoint dir)"
+            raise errors.CheckpointError(
+                path, "tokenizer.json", valid="present (a Hugging Face dir)"
             )
         tokenizer = tokenizers.Tokenizer.from_file(tokenizer_file)
         config_file = os.path.join(path, "tokenizer_config.json")
@@ -206,10 +209,10 @@ class HfTokenizer:
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
         if not isinstance(template, str) or not template:
-            raise ValueError(
-                f"HfTokenizer: {config_file} has no chat_template (and there is no "
-                f"{jinja_file}); valid: a Jinja chat template string"
-            )
+            raise errors.CheckpointError(
+                config_file, "chat_template", template,
+                f"a Jinja chat template string (or a file {jinja_file})",
+            )  # fmt: skip
 
         special_tokens = {}
         for name in _SPECIAL_TOKEN_NAMES:
@@ -220,9 +223,8 @@ class HfTokenizer:
         def token_id(name: str) -> int:
             token = tokenizer.token_to_id(special_tokens[name])
             if token is None:
-                raise ValueError(
-                    f"HfTokenizer: {config_file} {name}={special_tokens[name]!r} is not in "
-                    f"{tokenizer_file}"
+                raise errors.CheckpointError(
+                    config_file, name, special_tokens[name], f"a token of {tokenizer_file}"
                 )
             return token
 
@@ -231,10 +233,10 @@ class HfTokenizer:
         if not isinstance(eos, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in eos
         ):
-            raise ValueError(
-                f"HfTokenizer: {os.path.join(path, 'generation_config.json')} "
-                f"eos_token_id={eos!r} is invalid; valid: an int or a list of ints"
-            )
+            raise errors.CheckpointError(
+                os.path.join(path, "generation_config.json"), "eos_token_id", eos,
+                "an int or a list of ints",
+            )  # fmt: skip
         stop_ids = list(dict.fromkeys(eos))
         if "eos_token" in special_tokens and token_id("eos_token") not in stop_ids:
             stop_ids.append(token_id("eos_token"))
@@ -300,7 +302,7 @@ def load_tokenizer(hf_path: str = "") -> Tokenizer:
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
     """Raise unless every id of `tokenizer` indexes the model's vocabulary of `vocab_size`."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"check_vocab: vocab_size={vocab_size!r} is invalid; valid: an int >= 1")
+        raise errors.InvalidValue("check_vocab", "vocab_size", vocab_size, "an int >= 1")
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "

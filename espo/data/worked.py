@@ -32,7 +32,7 @@ def arithmetic_solution(expression: str) -> str:
     """
     tokens = expression.split()
     terms, ops = tokens[::2], tokens[1::2]
-    bad_term = next((t for t in terms if not _is_int(t)), None)
+    bad_term = next((t for t in terms if not _is_int_literal(t)), None)
     bad_op = next((o for o in ops if o not in OPERATORS), None)
     if bad_term is not None:
         what = f"term {bad_term!r}"
@@ -52,6 +52,6 @@ def arithmetic_solution(expression: str) -> str:
     return chains.solution(chains.Chain(tuple(int(t) for t in terms), tuple(ops)))
 
 
-def _is_int(text: str) -> bool:
+def _is_int_literal(text: str) -> bool:
     digits = text[1:] if text[:1] in "+-" else text
     return digits.isdigit()

@@ -13,6 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from espo import errors
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 DTypeLike = Any  # a dtype name ("bfloat16"), a scalar type (jnp.bfloat16, np.float32), a np.dtype
@@ -30,7 +32,8 @@ def dtype_name(value: DTypeLike, *, field: str = "dtype") -> str:
     except TypeError:
         name = None
     if name not in _DTYPES:
-        raise ValueError(f"{field}={value!r} is invalid: one of {_DTYPES} (a name or a dtype)")
+        where, _, name = field.rpartition(".")  # "ModelConfig.dtype" or "dtype"
+        raise errors.InvalidValue(where, name, value, f"one of {_DTYPES} (a name or a dtype)")
     return name
 
 
@@ -83,41 +86,55 @@ class ModelConfig:
     z_loss_coef: float = 0.0  # weight of the router z-loss in `aux.total`
 
     def __post_init__(self):
-        def need(ok: bool, field: str, valid: str):
-            if not ok:
-                value = getattr(self, field)
-                raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {valid}")
-
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, ">= 1")
+            errors.require(
+                self,
+                isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                name,
+                ">= 1",
+            )
         for name in ("head_dim", "num_experts", "top_k", "moe_ffn_dim"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, ">= 1")
-        need(
+            errors.require(
+                self,
+                isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                name,
+                ">= 1",
+            )
+        errors.require(
+            self,
             self.num_heads % self.num_kv_heads == 0,
             "num_kv_heads",
             f"must divide num_heads={self.num_heads}",
         )
-        need(self.head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs)")
-        need(
+        errors.require(
+            self, self.head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs)"
+        )
+        errors.require(
+            self,
             self.top_k <= self.num_experts,
             "top_k",
             f"must be in [1, num_experts={self.num_experts}]",
         )
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
-        need(
+        errors.require(
+            self,
             all(0 <= i < self.num_layers for i in self.dense_layers),
             "dense_layers",
             f"layer indices must be in [0, num_layers={self.num_layers})",
         )
-        need(
+        errors.require(
+            self,
             not self.dense_layers or self.dense_ffn_dim >= 1,
             "dense_ffn_dim",
             ">= 1 when dense_layers is non-empty",
         )
-        need(self.shared_expert_ffn_dim >= 0, "shared_expert_ffn_dim", ">= 0 (0 disables it)")
-        need(self.rms_eps > 0, "rms_eps", "> 0")
-        need(self.rope_theta > 0, "rope_theta", "> 0")
-        need(
+        errors.require(
+            self, self.shared_expert_ffn_dim >= 0, "shared_expert_ffn_dim", ">= 0 (0 disables it)"
+        )
+        errors.require(self, self.rms_eps > 0, "rms_eps", "> 0")
+        errors.require(self, self.rope_theta > 0, "rope_theta", "> 0")
+        errors.require(
+            self,
             self.sliding_window is None or self.sliding_window >= 1,
             "sliding_window",
             "None or >= 1",
@@ -126,8 +143,8 @@ class ModelConfig:
             object.__setattr__(
                 self, name, dtype_name(getattr(self, name), field=f"ModelConfig.{name}")
             )
-        need(self.aux_loss_coef >= 0, "aux_loss_coef", ">= 0")
-        need(self.z_loss_coef >= 0, "z_loss_coef", ">= 0")
+        errors.require(self, self.aux_loss_coef >= 0, "aux_loss_coef", ">= 0")
+        errors.require(self, self.z_loss_coef >= 0, "z_loss_coef", ">= 0")
 
     # ---- derived quantities -------------------------------------------------------------------
     @property

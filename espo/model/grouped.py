@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from espo import errors
+
 KERNELS = ("mosaic_gpu", "reference")
 DTYPES = (jnp.bfloat16, jnp.float16)  # the kernels' wgmma operand types (no float32)
 TILE = 64  # block_m and block_k of the kernels: K and N must be multiples of it
@@ -123,6 +125,6 @@ def swiglu_experts(
         fits = experts_supported(xs.dtype, *w_gate.shape[1:])
         kernels = "mosaic_gpu" if fits else "reference"
     if kernels not in KERNELS:
-        raise ValueError(f"grouped kernels={kernels!r} is invalid: one of {KERNELS}")
+        raise errors.InvalidValue("grouped", "kernels", kernels, f"one of {KERNELS}")
     h = jax.nn.silu(gmm(xs, w_gate, group_sizes, kernels)) * gmm(xs, w_up, group_sizes, kernels)
     return gmm(h, w_down, group_sizes, kernels)

@@ -15,6 +15,7 @@ import dataclasses
 import jax
 from jaxtyping import Array, Int
 
+from espo import errors
 from espo.model import config as config_lib
 from espo.model import layers, transformer
 
@@ -27,10 +28,11 @@ class Model:
 
     def __post_init__(self):
         if not isinstance(self.cfg, config_lib.ModelConfig):
-            raise ValueError(
-                f"Model.cfg={self.cfg!r} is invalid: an espo.model.ModelConfig "
-                "(load_hf_checkpoint returns one for a Hugging Face checkpoint)"
-            )
+            raise errors.InvalidValue(
+                "Model", "cfg", self.cfg,
+                "an espo.model.ModelConfig (load_hf_checkpoint returns one for a Hugging Face "
+                "checkpoint)",
+            )  # fmt: skip
 
     @property
     def num_layers(self) -> int:

@@ -23,6 +23,7 @@ import safetensors
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from espo import errors
 from espo.model import config as config_lib
 from espo.model import transformer
 
@@ -32,8 +33,7 @@ SUPPORTED_ARCHITECTURES = (QWEN3_MOE, MIXTRAL)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as the architecture it claims to be."""
+CheckpointError = errors.CheckpointError  # a file that is not the architecture it claims
 
 
 # ---- config ---------------------------------------------------------------------------------
@@ -49,8 +49,7 @@ def config_from_hf(hf: dict, *, source: str = "config.json") -> tuple[config_lib
     )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
-            f"{source}: architecture {archs or hf.get('model_type')!r} is not supported; "
-            f"valid: {SUPPORTED_ARCHITECTURES}"
+            source, "architectures", archs or hf.get("model_type"), f"{SUPPORTED_ARCHITECTURES}"
         )
 
     def get(*keys, default=None, required=True):
@@ -58,17 +57,17 @@ def config_from_hf(hf: dict, *, source: str = "config.json") -> tuple[config_lib
             if hf.get(key) is not None:
                 return hf[key]
         if required and default is None:
-            raise CheckpointError(f"{source}: missing key {keys[0]!r} (also tried {keys[1:]})")
+            raise CheckpointError(source, keys[0], valid=f"present (also tried {keys[1:]})")
         return default
 
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise CheckpointError(f"{source}: rope_type {rope_type!r} is not supported; valid: default")
+        raise CheckpointError(source, "rope_type", rope_type, "default")
     if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; valid: silu")
+        raise CheckpointError(source, "hidden_act", hf["hidden_act"], "silu")
     if hf.get("attention_bias"):
-        raise CheckpointError(f"{source}: attention_bias=true is not supported; valid: false")
+        raise CheckpointError(source, "attention_bias", True, "false")
     num_layers = get("num_hidden_layers")
     num_heads = get("num_attention_heads")
     d_model = get("hidden_size")
@@ -108,8 +107,8 @@ def config_from_hf(hf: dict, *, source: str = "config.json") -> tuple[config_lib
         )
     try:
         return config_lib.ModelConfig(**kw), arch
-    except ValueError as e:
-        raise CheckpointError(f"{source}: {e}") from e
+    except errors.InvalidValue as e:
+        raise e.moved(source, CheckpointError) from e
 
 
 def config_to_hf(cfg: config_lib.ModelConfig, arch: str) -> dict:
@@ -154,20 +153,21 @@ def config_to_hf(cfg: config_lib.ModelConfig, arch: str) -> dict:
 
 
 def _check_exportable(cfg: config_lib.ModelConfig, arch: str):
-    problems = []
-    if cfg.shared_expert_ffn_dim:
-        problems.append("shared_expert_ffn_dim must be 0 (neither format has a shared expert)")
-    if arch == QWEN3_MOE and not cfg.qk_norm:
-        problems.append("qk_norm must be True (Qwen3-MoE always normalises q and k)")
-    if arch == MIXTRAL:
-        if cfg.qk_norm:
-            problems.append("qk_norm must be False")
-        if not cfg.norm_topk_prob:
-            problems.append("norm_topk_prob must be True (Mixtral always renormalises)")
-        if cfg.dense_layers:
-            problems.append("dense_layers must be empty")
-    if problems:
-        raise ValueError(f"cannot save this ModelConfig as {arch}: " + "; ".join(problems))
+    """Raises InvalidValue for the first ModelConfig field the `arch` format cannot express."""
+    mixtral = arch == MIXTRAL
+    errors.check(
+        cfg,
+        {
+            "shared_expert_ffn_dim": (not cfg.shared_expert_ffn_dim, "0 (neither format has one)"),
+            "qk_norm": (
+                cfg.qk_norm != mixtral,
+                f"{not mixtral} for {arch} (Qwen3-MoE always normalises q and k, Mixtral never)",
+            ),
+            "norm_topk_prob": (cfg.norm_topk_prob or not mixtral, "True (Mixtral renormalises)"),
+            "dense_layers": (not cfg.dense_layers or not mixtral, "() for Mixtral"),
+        },
+        where=f"ModelConfig (saved as {arch})",
+    )
 
 
 # ---- the parameter table --------------------------------------------------------------------
@@ -263,9 +263,9 @@ def _read_json(file: pathlib.Path) -> dict:
     try:
         value = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+        raise CheckpointError(str(file), "contents", valid=f"JSON ({e})") from e
     if not isinstance(value, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(value).__name__}")
+        raise CheckpointError(str(file), "contents", type(value).__name__, "a JSON object")
     return value
 
 
@@ -274,7 +274,7 @@ def _open_safetensors(file: pathlib.Path):
     try:
         return safe_open(file, framework="np")
     except (safetensors.SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+        raise CheckpointError(str(file), "contents", valid=f"a safetensors file ({e})") from e
 
 
 class _TensorFiles:
@@ -285,13 +285,15 @@ class _TensorFiles:
         if index_file.exists():
             weight_map = _read_json(index_file).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index_file}: no 'weight_map' object")
+                raise CheckpointError(str(index_file), "weight_map", weight_map, "an object")
             self.where = {k: path / f for k, f in weight_map.items()}
             self.source = str(index_file)
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
-                raise CheckpointError(f"{path}: no *.safetensors files and no index")
+                raise CheckpointError(
+                    str(path), "*.safetensors", valid="present (or model.safetensors.index.json)"
+                )
             self.where = {}
             for f in files:
                 with _open_safetensors(f) as handle:
@@ -304,16 +306,16 @@ class _TensorFiles:
 
     def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.where:
-            raise CheckpointError(f"{self.source}: missing tensor {name!r} (expected {shape})")
+            raise CheckpointError(self.source, name, valid=f"a tensor of shape {shape}")
         file = self.where[name]
         with _open_safetensors(file) as handle:
             try:
                 tensor = handle.get_tensor(name)
             except safetensors.SafetensorError as e:
-                raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from e
+                raise CheckpointError(str(file), name, valid=f"a readable tensor ({e})") from e
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(
-                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
+                str(file), f"{name}.shape", tuple(tensor.shape), f"{tuple(shape)}"
             )
         self.used.add(name)
         return tensor
@@ -334,7 +336,7 @@ def load_hf_checkpoint(
     path = pathlib.Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
-        raise CheckpointError(f"{config_file}: not found")
+        raise CheckpointError(str(path), "config.json", valid="present (a Hugging Face dir)")
     hf = _read_json(config_file)
     cfg, arch = config_from_hf(hf, source=str(config_file))
     disk_dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
@@ -376,10 +378,11 @@ def load_hf_checkpoint(
         k for k in set(files.where) - files.used if not k.endswith(_IGNORED_SUFFIXES)
     )
     if unexpected:
+        more = " ..." if len(unexpected) > 8 else ""
         raise CheckpointError(
-            f"{files.source}: unexpected tensors for {arch} with {cfg.num_layers} layers and "
-            f"{cfg.num_experts} experts: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
-        )
+            files.source, "tensors", f"{unexpected[:8]}{more}",
+            f"only those of {arch} with {cfg.num_layers} layers and {cfg.num_experts} experts",
+        )  # fmt: skip
     return cfg, jax.tree.map(jnp.asarray, params)
 
 
@@ -416,7 +419,7 @@ def save_hf_checkpoint(
     """
     arch = architecture or (QWEN3_MOE if cfg.qk_norm else MIXTRAL)
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture={arch!r} is invalid; valid: {SUPPORTED_ARCHITECTURES}")
+        raise errors.InvalidValue("", "architecture", arch, f"{SUPPORTED_ARCHITECTURES}")
     _check_exportable(cfg, arch)
     path = pathlib.Path(path)
     if path.exists() and any(path.iterdir()):

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import sharding
+from espo import errors, sharding
 from espo.model import config as config_lib
 from espo.model import grouped, layers
 
@@ -168,7 +168,7 @@ def expert_ffn(
         return _blocked_ffn(xs, group_sizes, w_gate, w_up, w_down)
     if impl == "mosaic_gpu":
         return grouped.swiglu_experts(xs, group_sizes, w_gate, w_up, w_down)
-    raise ValueError(f"dispatch impl={impl!r} is invalid: one of {DISPATCH_IMPLS[1:]}")
+    raise errors.InvalidValue("dispatch", "impl", impl, f"one of {DISPATCH_IMPLS[1:]}")
 
 
 def capacity_for(rows: int, experts: int) -> int:

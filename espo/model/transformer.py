@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import types
+from espo import errors, types
 from espo.model import config as config_lib
 from espo.model import layers, moe
 
@@ -288,8 +288,8 @@ def forward(
         real = segment_ids > 0  # [B, T]
         attention_mask = real if attention_mask is None else attention_mask.astype(bool) & real
     if replay_missing not in moe.REPLAY_MISSING:
-        raise ValueError(
-            f"replay_missing={replay_missing!r} is invalid: one of {moe.REPLAY_MISSING}"
+        raise errors.InvalidValue(
+            "", "replay_missing", replay_missing, f"one of {moe.REPLAY_MISSING}"
         )
     if routing_mode is not RoutingMode.FREE:
         want = (B, L, T, K)

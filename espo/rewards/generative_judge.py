@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from espo import sampler, scheduling
+from espo import errors, sampler, scheduling
 from espo.rewards import judge
 
 DEFAULT_TEMPLATE = (
@@ -74,8 +74,8 @@ def parse_verdict(completion: str) -> str:
 
 
 def _check_int(owner: str, name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}.{name}={value!r} must be an int >= {low}")
+    if not errors.is_int(value) or value < low:
+        raise errors.InvalidValue(owner, name, value, f"an int >= {low}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -105,16 +105,16 @@ class ModelCompleter:
     def __post_init__(self) -> None:
         for name in ("encode", "decode"):
             if not callable(getattr(self, name)):
-                raise ValueError(f"ModelCompleter.{name}={getattr(self, name)!r} must be callable")
+                raise errors.InvalidValue("ModelCompleter", name, getattr(self, name), "callable")
         _check_int("ModelCompleter", "batch_size", self.batch_size, 1)
         _check_int("ModelCompleter", "max_new_tokens", self.max_new_tokens, 1)
         _check_int("ModelCompleter", "eos_id", self.eos_id, 0)
         _check_int("ModelCompleter", "pad_id", self.pad_id, 0)
         if self.temperature > 0 and self.key is None:
-            raise ValueError(
-                f"ModelCompleter.key=None is invalid with temperature={self.temperature!r}: "
-                "sampling needs a PRNG key (or use temperature=0, greedy)"
-            )
+            raise errors.InvalidValue(
+                "ModelCompleter", "key", None,
+                f"a PRNG key with temperature={self.temperature!r} (or temperature=0, greedy)",
+            )  # fmt: skip
         sampler.SamplingParams(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
             stop_ids=(self.eos_id,), pad_id=self.pad_id,
@@ -166,13 +166,13 @@ class GenerativeJudge:
 
     def __post_init__(self) -> None:
         if not callable(self.complete):
-            raise ValueError(f"GenerativeJudge.complete={self.complete!r} must be callable")
+            raise errors.InvalidValue("GenerativeJudge", "complete", self.complete, "callable")
         if not callable(self.render):
-            raise ValueError(f"GenerativeJudge.render={self.render!r} must be callable")
+            raise errors.InvalidValue("GenerativeJudge", "render", self.render, "callable")
         try:
             fields = {f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None}
         except ValueError as e:
-            raise ValueError(f"GenerativeJudge.template={self.template!r} is invalid: {e}") from e
+            raise errors.InvalidValue("GenerativeJudge", "template", self.template, f"{e}") from e
         if fields != _FIELDS:
             raise ValueError(
                 f"GenerativeJudge.template={self.template!r} has fields {sorted(fields)}; it "

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 import numpy as np
 from jaxtyping import Bool, Float
 
+from espo import errors
+
 VERDICTS = ("better", "tie", "worse")
 UNPARSEABLE = "unparseable"  # a verdict the judge could not read: scored as a tie, counted
 _SCORE = {"better": 1.0, "tie": 0.0, "worse": -1.0, UNPARSEABLE: 0.0}
@@ -171,9 +173,9 @@ class FakeJudge:
     def __post_init__(self) -> None:
         t = self.tie_tol
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < pymath.inf:
-            raise ValueError(f"FakeJudge.tie_tol={t!r} must be in [0, inf)")
+            raise errors.InvalidValue("FakeJudge", "tie_tol", t, "in [0, inf)")
         if not callable(self.key):
-            raise ValueError(f"FakeJudge.key={self.key!r} must be callable")
+            raise errors.InvalidValue("FakeJudge", "key", self.key, "callable")
 
     def __call__(self, a: Any, b: Any, /) -> str:
         diff = self.key(a) - self.key(b)

@@ -27,6 +27,7 @@ from typing import Any
 
 import math_verify
 
+from espo import errors
 from espo.rewards import extract
 
 # Re-exported: the math reward's answer extraction, for callers that only import this module.
@@ -63,20 +64,20 @@ class MathReward:
         for name in ("correct", "incorrect", "unparsable"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not pymath.isfinite(value):
-                raise ValueError(f"MathReward.{name}={value!r} must be a finite number")
+                raise errors.InvalidValue("MathReward", name, value, "a finite number")
         if self.timeout_seconds is not None and (
             not isinstance(self.timeout_seconds, int) or self.timeout_seconds < 1
         ):
-            raise ValueError(
-                f"MathReward.timeout_seconds={self.timeout_seconds!r} must be an int >= 1 "
-                "(signal.alarm counts whole seconds) or None"
-            )
+            raise errors.InvalidValue(
+                "MathReward", "timeout_seconds", self.timeout_seconds,
+                "an int >= 1 (signal.alarm counts whole seconds) or None",
+            )  # fmt: skip
         if not isinstance(self.float_rounding, int) or self.float_rounding < 0:
-            raise ValueError(
-                f"MathReward.float_rounding={self.float_rounding!r} must be an int >= 0"
+            raise errors.InvalidValue(
+                "MathReward", "float_rounding", self.float_rounding, "an int >= 0"
             )
         if not self.answer_key:
-            raise ValueError(f"MathReward.answer_key={self.answer_key!r} must be non-empty")
+            raise errors.InvalidValue("MathReward", "answer_key", self.answer_key, "non-empty")
 
     def __call__(self, prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
         gold = gold_answer(meta, key=self.answer_key)

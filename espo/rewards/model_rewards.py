@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from espo import advantages, model
+from espo import advantages, errors, model
 from espo.rewards import judge
 from espo.rewards import reward_model as rm
 
@@ -61,10 +61,11 @@ def load(directory: str | pathlib.Path) -> tuple[model.ModelConfig, dict]:
     directory = pathlib.Path(directory).absolute()
     path = directory / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no reward model here (write one with model_rewards.save)")
+        valid = "a reward model directory (write one with model_rewards.save)"
+        raise errors.CheckpointError(str(directory), MANIFEST, valid=valid)
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise errors.CheckpointError(str(path), "format", manifest.get("format"), repr(FORMAT))
     fields = dict(manifest["model_config"])
     fields["dense_layers"] = tuple(fields.get("dense_layers", ()))
     try:
@@ -104,7 +105,7 @@ def group_rewards(
         return np.asarray(_adjust(jnp.asarray(scores), correct=jnp.asarray(correct, bool), cfg=cfg))
     if mode == "judge":
         return judge.judge_groups(list(scores), judge.FakeJudge(tie_tol=dead_zone)).rewards
-    raise ValueError(f"reward model mode={mode!r} is invalid: one of {MODES}")
+    raise errors.InvalidValue("reward model", "mode", mode, f"one of {MODES}")
 
 
 _adjust = jax.jit(rm.adjust_rewards, static_argnames="cfg")

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from espo import errors
+
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 Detokenize = Callable[[list[int]], str]
 Completion = str | Sequence[int]  # text, or token ids the workers detokenize
@@ -124,9 +126,9 @@ class RewardPool:
         start_method: str = "spawn",
     ):
         if num_workers < 1:
-            raise ValueError(f"num_workers={num_workers} is invalid: >= 1")
+            raise errors.InvalidValue("", "num_workers", num_workers, ">= 1")
         if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} is invalid: > 0")
+            raise errors.InvalidValue("", "timeout_s", timeout_s, "> 0")
         self._fn = reward_fn
         self.detokenize = detokenize
         self._timeout = timeout_s

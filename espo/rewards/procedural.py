@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from espo import errors
 from espo.rewards import extract
 
 _WHITESPACE_RE = re.compile(r"\s+")
@@ -105,7 +106,7 @@ def _gold(meta: Mapping[str, Any], key: str) -> str:
 def _check_scores(owner: str, **scores: float) -> None:
     for name, value in scores.items():
         if not isinstance(value, (int, float)) or not pymath.isfinite(value):
-            raise ValueError(f"{owner}.{name}={value!r} must be a finite number")
+            raise errors.InvalidValue(owner, name, value, "a finite number")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,7 +181,7 @@ class NumericMatchReward:
         for name in ("rel_tol", "abs_tol"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < pymath.inf:
-                raise ValueError(f"NumericMatchReward.{name}={value!r} must be in [0, inf)")
+                raise errors.InvalidValue("NumericMatchReward", name, value, "in [0, inf)")
 
     def __call__(self, prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
         gold_text = _gold(meta, self.answer_key)

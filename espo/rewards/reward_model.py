@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import model
+from espo import errors, model
 
 # ---- measuring inversion ---------------------------------------------------------------------
 
@@ -163,21 +163,21 @@ class RmAdjustConfig:
     def __post_init__(self) -> None:
         for name in ("tiered", "rank"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RmAdjustConfig.{name}={getattr(self, name)!r} must be a bool")
+                raise errors.InvalidValue("RmAdjustConfig", name, getattr(self, name), "a bool")
         m = self.margin
         if m is not None and (
             isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < 0.5
         ):
-            raise ValueError(
-                f"RmAdjustConfig.margin={m!r} must be None (derived from G) or in (0, 0.5) so "
-                "tiers never overlap"
-            )
+            raise errors.InvalidValue(
+                "RmAdjustConfig", "margin", m,
+                "None (derived from G) or in (0, 0.5) so tiers never overlap",
+            )  # fmt: skip
         d = self.dead_zone
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < pymath.inf:
-            raise ValueError(f"RmAdjustConfig.dead_zone={d!r} must be in [0, inf)")
+            raise errors.InvalidValue("RmAdjustConfig", "dead_zone", d, "in [0, inf)")
         s = self.squash_scale
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < pymath.inf:
-            raise ValueError(f"RmAdjustConfig.squash_scale={s!r} must be in (0, inf)")
+            raise errors.InvalidValue("RmAdjustConfig", "squash_scale", s, "in (0, inf)")
 
     def margin_for(self, group_size: int) -> float:
         """The margin used for groups of `group_size`: the configured one, checked against

@@ -29,27 +29,28 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from espo import errors
+
 TokensOrText = str | Sequence[int] | np.ndarray
 
 
 def _check_lengths(*, max_length: int, cache_length: int) -> None:
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"max_length={max_length!r} must be an int >= 1")
+        raise errors.InvalidValue("", "max_length", max_length, "an int >= 1")
     if (
         isinstance(cache_length, bool)
         or not isinstance(cache_length, int)
         or not 0 <= cache_length <= max_length
     ):
-        raise ValueError(
-            f"cache_length={cache_length!r} must be an int in [0, max_length={max_length}]"
-        )
+        valid = f"an int in [0, max_length={max_length}]"
+        raise errors.InvalidValue("", "cache_length", cache_length, valid)
 
 
 def overlong_penalty(length: int, *, max_length: int, cache_length: int) -> float:
     """DAPO soft overlong punishment of one response of `length` tokens (in [-1, 0])."""
     _check_lengths(max_length=max_length, cache_length=cache_length)
     if length < 0:
-        raise ValueError(f"length={length!r} must be >= 0")
+        raise errors.InvalidValue("", "length", length, ">= 0")
     soft_start = max_length - cache_length
     if length <= soft_start:
         return 0.0
@@ -99,7 +100,7 @@ def repeated_ngram_ratio(tokens_or_text: TokensOrText, *, n: int = 4) -> float:
     repeat an earlier one -> 3/5.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r} must be an int >= 1")
+        raise errors.InvalidValue("", "n", n, "an int >= 1")
     tokens = _as_tokens(tokens_or_text)  # [T]
     num_ngrams = tokens.shape[0] - n + 1
     if num_ngrams <= 0:
@@ -141,24 +142,24 @@ class ShapingConfig:
         for name in ("overlong_weight", "repetition_weight"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < pymath.inf:
-                raise ValueError(f"ShapingConfig.{name}={value!r} must be in [0, inf)")
+                raise errors.InvalidValue("ShapingConfig", name, value, "in [0, inf)")
         for name, low in (("max_length", 1), ("ngram_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"ShapingConfig.{name}={value!r} must be an int >= {low}")
+                raise errors.InvalidValue("ShapingConfig", name, value, f"an int >= {low}")
         cache = self.cache_length
         if (
             isinstance(cache, bool)
             or not isinstance(cache, int)
             or not 0 <= cache <= self.max_length
         ):
-            raise ValueError(
-                f"ShapingConfig.cache_length={cache!r} must be an int in "
-                f"[0, max_length={self.max_length}]"
-            )
+            valid = f"an int in [0, max_length={self.max_length}]"
+            raise errors.InvalidValue("ShapingConfig", "cache_length", cache, valid)
         threshold = self.repetition_threshold
         if not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
-            raise ValueError(f"ShapingConfig.repetition_threshold={threshold!r} must be in [0, 1]")
+            raise errors.InvalidValue(
+                "ShapingConfig", "repetition_threshold", threshold, "in [0, 1]"
+            )
 
 
 def shape_rewards(

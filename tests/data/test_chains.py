@@ -13,6 +13,7 @@ import pytest
 from espo import config as config_lib
 from espo import testing
 from espo.data import chains, examples, sources, worked
+from espo.testing import raises_invalid
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHAIN = chains.Chain((7, 3, 6, 1), ("-", "-", "+"))  # 7 - 3 = 4, 4 - 6 = -2, -2 + 1 = -1
@@ -202,7 +203,7 @@ def test_config_errors_name_the_key(section, field, value):
 
 
 def test_reward_shuffle_must_be_a_bool():
-    with pytest.raises(ValueError, match=r"RewardConfig\.shuffle=1 is invalid"):
+    with raises_invalid("shuffle", where="RewardConfig"):
         config_lib.RewardConfig(shuffle=1)
 
 

@@ -10,7 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from espo import errors
 from espo.data import examples, sources
+from espo.testing import raises_invalid
 
 
 def _cfg(**kw) -> examples.DataConfig:
@@ -74,30 +76,29 @@ _GOOD = {"prompt": "p", "answer": "a"}
 
 
 @pytest.mark.parametrize(
-    "bad, words",
+    "bad, field, value",
     [
-        ('{"prompt": "p", "answer": ', ["bad JSON"]),
-        ('["p", "a"]', ["JSON object", "list"]),
-        ({"answer": "a"}, ["missing field 'prompt'", "data.prompt_field"]),
-        ({"prompt": "p"}, ["missing field 'answer'", "data.answer_field"]),
-        ({"prompt": "  \n", "answer": "a"}, ["'prompt'", "empty"]),
-        ({"prompt": "p", "answer": ""}, ["'answer'", "empty"]),
-        ({"prompt": None, "answer": "a"}, ["'prompt'", "null"]),
-        ({"prompt": ["p"], "answer": "a"}, ["'prompt'", "list"]),
-        ({"prompt": "p", "answer": "a", "level": 1.5}, ["'level'", "[0, 1]"]),
-        ({"prompt": "p", "answer": "a", "level": "hard"}, ["'level'", "[0, 1]"]),
-        ({"prompt": "p", "answer": "a"}, ["missing field 'level'"]),
+        ('{"prompt": "p", "answer": ', "line", None),
+        ('["p", "a"]', "record", "list"),
+        ({"answer": "a"}, "prompt", None),
+        ({"prompt": "p"}, "answer", None),
+        ({"prompt": "  \n", "answer": "a"}, "prompt", "  \n"),
+        ({"prompt": "p", "answer": ""}, "answer", ""),
+        ({"prompt": None, "answer": "a"}, "prompt", None),
+        ({"prompt": ["p"], "answer": "a"}, "prompt", ["p"]),
+        ({"prompt": "p", "answer": "a", "level": 1.5}, "level", 1.5),
+        ({"prompt": "p", "answer": "a", "level": "hard"}, "level", "hard"),
+        ({"prompt": "p", "answer": "a"}, "level", None),
     ],
 )
-def test_jsonl_bad_record_names_file_line_and_field(tmp_path, write_lines, bad, words):
+def test_jsonl_bad_record_names_file_line_and_field(tmp_path, write_lines, bad, field, value):
     good = {**_GOOD, "level": 0.5}
     path = write_lines(tmp_path / "d.jsonl", [good, good, bad, good])
     cfg = _cfg(source="jsonl", path=str(path), difficulty_field="level", eval_fraction=0.5)
-    with pytest.raises(sources.BadRecordError) as info:
+    with raises_invalid(field, where=f"{path}: line 3", kind=sources.BadRecordError) as info:
         sources.make_sources(cfg)
-    message = str(info.value)
-    for word in [str(path), "line 3", "skip_bad_records", *words]:
-        assert word in message
+    assert info.value.value == value or not info.value.has_value
+    assert "skip_bad_records" in str(info.value)
 
 
 def test_jsonl_skip_bad_records_counts_them(tmp_path, write_lines):
@@ -115,7 +116,7 @@ def test_jsonl_skip_bad_records_counts_them(tmp_path, write_lines):
 def test_bad_utf8_is_a_bad_record(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"prompt": "p", "answer": "a"}\n{"prompt": "\xff", "answer": "a"}\n')
-    with pytest.raises(sources.BadRecordError, match="line 2: not UTF-8"):
+    with raises_invalid("line", where=f"{path}: line 2", kind=sources.BadRecordError):
         sources.make_sources(_cfg(source="jsonl", path=str(path), eval_fraction=0.5))
 
 
@@ -138,7 +139,7 @@ def test_parquet_round_trip_and_bad_row(tmp_path):
     records[2]["prompt"] = ""
     records[7]["prompt"] = None
     pq.write_table(pa.Table.from_pylist(records), path)
-    with pytest.raises(sources.BadRecordError, match=r"math\.parquet: row index 2: .*'prompt'"):
+    with raises_invalid("prompt", where=f"{path}: row index 2", kind=sources.BadRecordError):
         sources.make_sources(cfg)
     train, held_out = sources.make_sources(dataclasses.replace(cfg, skip_bad_records=True))
     assert train.num_skipped == 2 and len(train) + len(held_out) == 28
@@ -195,50 +196,53 @@ def test_held_out_split_is_pinned():
 
 def test_empty_side_is_an_error_naming_the_config(tmp_path, write_lines):
     path = write_lines(tmp_path / "one.jsonl", [{"prompt": "only", "answer": "a"}])
-    with pytest.raises(ValueError, match=r"no (training|held-out) examples.*one\.jsonl"):
+    with pytest.raises(errors.InvalidValue) as info:
         sources.make_sources(_cfg(source="jsonl", path=str(path), eval_fraction=0.5))
+    assert info.value.field in ("training examples", "held-out examples")
+    assert "one.jsonl" in info.value.valid
     all_bad = write_lines(tmp_path / "bad.jsonl", ["{", "{"])
     cfg = _cfg(source="jsonl", path=str(all_bad), skip_bad_records=True)
-    with pytest.raises(ValueError, match="no training examples.*skipped 2"):
+    with raises_invalid("training examples", where="data") as info:
         sources.make_sources(cfg)
+    assert "skipped 2" in info.value.valid
 
 
 def test_unknown_extension_and_missing_file(tmp_path):
-    with pytest.raises(ValueError, match=r"path='x\.csv' has extension '\.csv'.*\.jsonl"):
+    with raises_invalid("path", where="DataConfig") as info:
         sources.make_sources(_cfg(source="jsonl", path="x.csv"))
-    with pytest.raises(ValueError, match=r"\.parquet"):
+    assert info.value.value == "x.csv" and ".jsonl" in info.value.valid
+    with raises_invalid("path", where="DataConfig") as info:
         sources.make_sources(_cfg(source="parquet", path="x.jsonl"))
+    assert ".parquet" in info.value.valid
     missing = str(tmp_path / "nope.jsonl")
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with raises_invalid("path", where="DataConfig") as info:
         sources.make_sources(_cfg(source="jsonl", path=missing))
+    assert info.value.value == missing
 
 
 # ---- DataConfig ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "kw, words",
+    "kw, field",
     [
-        ({"source": "csv"}, ["source='csv'", "jsonl"]),
-        ({"size": 0}, ["size=0"]),
-        ({"eval_fraction": 1.0}, ["eval_fraction=1.0", "[0, 1)"]),
-        ({"eval_fraction": 0.0}, ["eval_fraction=0.0", "eval_path"]),
-        ({"source": "jsonl"}, ["path=''"]),
-        ({"source": "jsonl", "path": "a.jsonl", "prompt_field": ""}, ["prompt_field"]),
-        ({"tasks": "chain_sum:min_terms"}, ["tasks=", "key=value", "min_terms"]),
-        ({"tasks": "chain_sum:difficulty=2"}, ["tasks=", "difficulty", "[0, 1]"]),
-        ({"tasks": "chain_sum:a=1:a=2"}, ["repeats"]),
-        ({"tasks": " ; "}, ["tasks="]),
-        ({"eval_path": "x.jsonl"}, ["eval_path=", "reasoning_gym"]),
-        ({"skip_bad_records": "yes"}, ["skip_bad_records"]),
+        ({"source": "csv"}, "source"),
+        ({"size": 0}, "size"),
+        ({"eval_fraction": 1.0}, "eval_fraction"),
+        ({"eval_fraction": 0.0}, "eval_fraction"),
+        ({"source": "jsonl"}, "path"),
+        ({"source": "jsonl", "path": "a.jsonl", "prompt_field": ""}, "prompt_field"),
+        ({"tasks": "chain_sum:min_terms"}, "tasks"),
+        ({"tasks": "chain_sum:difficulty=2"}, "tasks"),
+        ({"tasks": "chain_sum:a=1:a=2"}, "tasks"),
+        ({"tasks": " ; "}, "tasks"),
+        ({"eval_path": "x.jsonl"}, "eval_path"),
+        ({"skip_bad_records": "yes"}, "skip_bad_records"),
     ],
 )
-def test_data_config_errors(kw, words):
-    with pytest.raises(ValueError) as info:
+def test_data_config_errors(kw, field):
+    with raises_invalid(field, where="DataConfig"):
         examples.DataConfig(**kw)
-    assert "DataConfig." in str(info.value)
-    for word in words:
-        assert word in str(info.value)
 
 
 def test_parse_task_specs():
@@ -306,12 +310,12 @@ def test_reasoning_gym_specs_draw_different_problems():
 
 
 def test_reasoning_gym_errors():
-    with pytest.raises(ValueError, match="unknown reasoning_gym task; did you mean chain_sum"):
+    with raises_invalid("name", where="DataConfig.tasks[0]") as info:
         sources.make_sources(_cfg(tasks="chain_summ", size=5))
-    with pytest.raises(
-        ValueError, match=r"spec 1 \('chain_sum'\): bad config.*valid keys.*max_terms"
-    ):
+    assert "did you mean chain_sum" in info.value.valid
+    with raises_invalid("settings", where="DataConfig.tasks[1]") as info:
         sources.make_sources(_cfg(tasks="chain_sum;chain_sum:max_term=3", size=5))
+    assert "max_terms" in info.value.valid
 
 
 # ---- TFDS (ArrayRecord, no TensorFlow) -----------------------------------------------------
@@ -358,10 +362,9 @@ def test_tfds_source(tmp_path):
         difficulty_field="level",
         eval_path="test",
     )
-    with pytest.raises(
-        sources.BadRecordError, match="tiny_math_tfds.*'train'.*record .*'question'"
-    ):
+    with raises_invalid("question", kind=sources.BadRecordError) as info:
         sources.make_sources(cfg)
+    assert info.value.where.startswith("tfds 'tiny_math_tfds' split 'train': record ")
     train, held_out = sources.make_sources(dataclasses.replace(cfg, skip_bad_records=True))
     assert train.num_skipped == 1 and len(train) == 39
     assert sorted(e.prompt for e in held_out) == [f"what is {i} + 1?" for i in range(100, 104)]
@@ -382,5 +385,5 @@ def test_tfds_source(tmp_path):
         dataclasses.replace(cfg, eval_path="", split="test", eval_fraction=0.5)
     )
     assert len(train) + len(held_out) == 4
-    with pytest.raises(ValueError, match="path='nope'.*cannot open the TFDS data source"):
+    with raises_invalid("path", where="DataConfig"):
         sources.make_sources(dataclasses.replace(cfg, path="nope"))

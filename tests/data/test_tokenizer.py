@@ -7,7 +7,9 @@ import re
 
 import pytest
 
+from espo import errors
 from espo.data import tokenizer as tokenizer_lib
+from espo.testing import raises_invalid
 
 _PROMPTS = [
     "What is 4 - 1?",
@@ -117,7 +119,7 @@ def test_hf_tokenizer_pickles_and_reads_chat_template_jinja(tmp_path, write_hf_t
 def test_hf_tokenizer_missing_file_is_named(tmp_path, write_hf_tokenizer, name):
     path = write_hf_tokenizer(tmp_path / "m")
     (path / name).unlink()
-    with pytest.raises(FileNotFoundError, match=name):
+    with raises_invalid(name, where=str(path), kind=errors.CheckpointError):
         tokenizer_lib.load_tokenizer(str(path))
 
 
@@ -125,14 +127,14 @@ def test_hf_tokenizer_bad_configs(tmp_path, write_hf_tokenizer):
     path = write_hf_tokenizer(tmp_path / "c")
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
-    with pytest.raises(ValueError, match="tokenizer_config.json has no chat_template"):
+    with raises_invalid("chat_template", where=str(path / "tokenizer_config.json")):
         tokenizer_lib.load_tokenizer(str(path))
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<pad>"}))
-    with pytest.raises(ValueError, match="pad_token='<pad>' is not in"):
+    with raises_invalid("pad_token", kind=errors.CheckpointError):
         tokenizer_lib.load_tokenizer(str(path))
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
-    with pytest.raises(ValueError, match="eos_token_id='x' is invalid"):
+    with raises_invalid("eos_token_id"):
         tokenizer_lib.load_tokenizer(str(path))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [10**6]}))
     with pytest.raises(ValueError, match="stop_ids \\[1000000\\] are outside"):

@@ -70,4 +70,14 @@ def test_a_hugging_face_dir_without_its_files_is_one_line(tmp_path):
     the missing file, exit status 1, no traceback."""
     rc, last, err = _run_cli(tmp_path, f"--config.model.hf_path={tmp_path}")
     assert rc == 1 and "Traceback" not in err
-    assert last.startswith("missing file:") and str(tmp_path) in last
+    assert last.startswith("checkpoint error:") and str(tmp_path) in last
+
+
+@pytest.mark.slow
+def test_a_missing_data_file_is_one_line_naming_the_key(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    rc, last, err = _run_cli(
+        tmp_path, "--config.data.source=jsonl", f"--config.data.path={missing}"
+    )
+    assert rc == 1 and "Traceback" not in err
+    assert last.startswith(f"config error: --config.data.path='{missing}' is invalid")

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from espo.model import ModelConfig
+from espo.testing import raises_invalid
 
 
 @pytest.mark.parametrize(
@@ -64,5 +65,5 @@ def test_dtype_fields_accept_dtype_likes_and_store_the_name(spelling, name):
 
 @pytest.mark.parametrize("bad", [np.float64, None, "bf16", True])
 def test_dtype_fields_reject_other_values_by_name(bad):
-    with pytest.raises(ValueError, match=r"ModelConfig\.dtype=.* is invalid: one of"):
+    with raises_invalid("dtype", where="ModelConfig"):
         ModelConfig.tiny(dtype=bad)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from espo import model
+from espo.testing import raises_invalid
 
 CFG = model.ModelConfig.tiny(vocab_size=32, num_layers=1)
 
@@ -15,7 +16,7 @@ def test_model_is_a_value_and_a_jit_static():
     assert a == b and hash(a) == hash(b)  # same config: same compiled functions
     assert model.Model(CFG.replace(top_k=1)) != a
     assert (a.num_layers, a.top_k, a.vocab_size) == (1, CFG.top_k, 32)
-    with pytest.raises(ValueError, match=r"Model\.cfg='tiny' is invalid: an espo\.model\.Model"):
+    with raises_invalid("cfg", where="Model"):
         model.Model("tiny")
 
 

@@ -18,6 +18,7 @@ from jax.experimental import checkify
 
 from espo import model, types
 from espo.model import ModelConfig, RoutingMode
+from espo.testing import raises_invalid
 
 # Layer 1 is dense, so layer indices in messages are model layers, not MoE-layer indices.
 CFG = ModelConfig.tiny(num_layers=3, dense_layers=(1,), dense_ffn_dim=32, d_model=32)
@@ -106,5 +107,5 @@ class ReplayMissingFreeTest(parameterized.TestCase):
 
 def test_replay_missing_is_validated(setup):
     params, tokens, _, trace = setup
-    with pytest.raises(ValueError, match=r"replay_missing='zero' is invalid: one of"):
+    with raises_invalid("replay_missing"):
         model.forward(CFG, params, tokens, routing=trace, replay_missing="zero")

@@ -11,6 +11,7 @@ import pytest
 from espo import advantages
 from espo.rewards import generative_judge as gj
 from espo.rewards import judge
+from espo.testing import raises_invalid
 
 
 def _close(got, want, atol=1e-6):
@@ -221,9 +222,9 @@ def test_generative_judge_all_unparseable_is_a_non_verifiable_zero_variance_grou
 def test_generative_judge_validation():
     with pytest.raises(ValueError, match=r"GenerativeJudge\.template=.*must use exactly"):
         gj.GenerativeJudge(complete=list, template="{question} {a}")
-    with pytest.raises(ValueError, match=r"GenerativeJudge\.template=.*is invalid"):
+    with raises_invalid("template", where="GenerativeJudge"):
         gj.GenerativeJudge(complete=list, template="{question} {a} {b")
-    with pytest.raises(ValueError, match=r"GenerativeJudge\.complete=3 must be callable"):
+    with raises_invalid("complete", where="GenerativeJudge"):
         gj.GenerativeJudge(complete=3)
     gen = gj.GenerativeJudge(complete=lambda prompts: [])
     with pytest.raises(ValueError, match="returned 0 completions for 1 prompts"):

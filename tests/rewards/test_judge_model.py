@@ -12,6 +12,7 @@ import pytest
 from espo import model, scheduling
 from espo.rewards import generative_judge as gj
 from espo.rewards import judge
+from espo.testing import raises_invalid
 
 EOS, PAD = 1, 0
 CFG = model.ModelConfig.tiny(num_layers=1)  # vocab 256: every ASCII character is a token
@@ -103,11 +104,11 @@ def test_position_biased_model_is_cancelled_by_both_orders(params):
 
 
 def test_model_completer_validation(params):
-    with pytest.raises(ValueError, match=r"ModelCompleter\.key=None is invalid"):
+    with raises_invalid("key", where="ModelCompleter"):
         _completer(CFG, params, temperature=1.0)
     with pytest.raises(ValueError, match=r"ModelCompleter\.batch_size=0"):
         dataclasses.replace(_completer(CFG, params), batch_size=0)
-    with pytest.raises(ValueError, match=r"ModelCompleter\.encode=3 must be callable"):
+    with raises_invalid("encode", where="ModelCompleter"):
         dataclasses.replace(_completer(CFG, params), encode=3)
     with pytest.raises(ValueError, match=r"SamplingParams\.top_p|temperature"):
         _completer(CFG, params, temperature=-1.0, key=jax.random.key(0))

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from espo import config as config_lib
-from espo import metrics, model, testing, trainer
+from espo import errors, metrics, model, testing, trainer
 from espo.rewards import model_rewards
 from espo.rewards import reward_model as rm
+from espo.testing import raises_invalid
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -36,7 +37,7 @@ def test_modes_by_hand():
     np.testing.assert_allclose(
         judged, [[-2 / 3, -2 / 3, 2 / 3, 2 / 3], [-1 / 3, 0, 0, 1 / 3]], rtol=1e-6
     )
-    with pytest.raises(ValueError, match="mode='bt' is invalid"):
+    with raises_invalid("mode"):
         model_rewards.group_rewards(SCORES, CORRECT, mode="bt", dead_zone=0.75)
 
 
@@ -106,7 +107,7 @@ def test_save_load_round_trip_and_errors(tmp_path):
     assert np.ptp(one) > 0  # the head is not zero: scores differ
     with pytest.raises(FileExistsError, match="already holds a reward model"):
         model_rewards.save(path, cfg, params)
-    with pytest.raises(FileNotFoundError, match="reward_model.json: no reward model here"):
+    with raises_invalid(model_rewards.MANIFEST, kind=errors.CheckpointError):
         model_rewards.load(tmp_path / "nowhere")
 
 
@@ -138,7 +139,7 @@ def test_trainer_trains_on_the_reward_model(tmp_path):
 @pytest.mark.slow
 def test_a_bad_reward_model_path_names_the_key(tmp_path):
     cfg = _config(model_path=str(tmp_path / "missing"))
-    with pytest.raises(config_lib.ConfigError, match=r"--config\.reward\.model_path=.*missing"):
+    with raises_invalid("model_path", where="--config.reward", kind=config_lib.ConfigError):
         trainer.train(cfg, str(tmp_path / "run"), progress=False)
-    with pytest.raises(config_lib.ConfigError, match=r"--config\.reward\.model_mode='bt'"):
+    with raises_invalid("model_mode", where="--config.reward", kind=config_lib.ConfigError):
         config_lib.Settings.from_config(_config(model_mode="bt"))
