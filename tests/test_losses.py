@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from espo import losses
+from espo.testing import raises_invalid
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 B_PAD, T_PAD = 4, 6  # every compute_loss call in these tests sees this shape
@@ -495,73 +496,55 @@ def test_missing_inputs_raise_clear_errors():
 
 _ESPO = dict(name="espo", vocab_size=10)
 _FLOAT0 = "None or a float >= 0"
-BAD_CONFIGS = [  # (LossConfig keywords, the whole message): each value just past what is valid
-    (dict(name="ppo"), "name='ppo' is invalid: one of ('grpo', 'gspo', 'espo', 'cispo')"),
-    (_ESPO | dict(agg="token-mean"), "agg='token-mean' is invalid: None for espo (it "
-     "aggregates per entropy group)"),
-    (_ESPO | dict(clip_low=0.2), "clip_low=0.2 is invalid: None for espo (set alpha instead)"),
-    (_ESPO | dict(clip_high=0.0), "clip_high=0.0 is invalid: None for espo (set alpha instead)"),
-    (dict(name="grpo", agg="mean"), "agg='mean' is invalid: None or one of ('token-mean', "
-     "'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm')"),
-    (dict(name="grpo", clip_low=-0.1), f"clip_low=-0.1 is invalid: {_FLOAT0}"),
-    (dict(name="grpo", clip_high="0.2"), f"clip_high='0.2' is invalid: {_FLOAT0}"),
-    (dict(name="grpo", clip_high=True), f"clip_high=True is invalid: {_FLOAT0}"),
-    (dict(name="gspo", dual_clip=3.0), "dual_clip=3.0 is invalid: None, or a float > 1 with "
-     "name='grpo'"),
-    (dict(name="grpo", dual_clip=True), "dual_clip=True is invalid: None, or a float > 1 with "
-     "name='grpo'"),
-    (dict(name="grpo", dual_clip=1.0), "dual_clip=1.0 is invalid: None or a float > 1"),
-    (dict(name="grpo", norm_length=0), "norm_length=0 is invalid: None or an int >= 1"),
-    (dict(name="grpo", norm_length=2.0), "norm_length=2.0 is invalid: None or an int >= 1"),
-    (_ESPO | dict(top_frac=0.0), "top_frac=0.0 is invalid: a float in (0, 1]"),
-    (_ESPO | dict(top_frac=1.01), "top_frac=1.01 is invalid: a float in (0, 1]"),
-    (_ESPO | dict(top_frac=True), "top_frac=True is invalid: a float in (0, 1]"),
-    (_ESPO | dict(num_groups=0), "num_groups=0 is invalid: an int >= 1"),
-    (_ESPO | dict(num_groups=2.0), "num_groups=2.0 is invalid: an int >= 1"),
-    (_ESPO | dict(quantile_scope="global"), "quantile_scope='global' is invalid: one of "
-     "('sequence', 'batch')"),
-    (_ESPO | dict(alpha=0.0), "alpha=0.0 is invalid: a float > 0"),
-    (_ESPO | dict(alpha=True), "alpha=True is invalid: a float > 0"),
-    (dict(name="espo"), "vocab_size=None is invalid: an int >= 2 (required by espo: eps uses "
-     "log(vocab_size))"),
-    (dict(name="grpo", vocab_size=1), "vocab_size=1 is invalid: an int >= 2 (required by "
-     "espo: eps uses log(vocab_size))"),
-    (_ESPO | dict(espo_ratio="token"), "espo_ratio='token' is invalid: one of ('gspo_token', "
-     "'literal')"),
-    (dict(name="grpo", kl_coef=-1e-3), "kl_coef=-0.001 is invalid: a float >= 0"),
-    (dict(name="grpo", kl_coef=None), "kl_coef=None is invalid: a float >= 0"),
-    (dict(name="grpo", kl_estimator="k4"), "kl_estimator='k4' is invalid: one of ('k1', 'k2', "
-     "'k3')"),
-    (dict(name="grpo", overlong_filter=1), "overlong_filter=1 is invalid: True or False"),
-    (dict(name="grpo", rollout_is="seq"), "rollout_is='seq' is invalid: one of ('none', "
-     "'token', 'sequence')"),
-    (dict(name="grpo", rollout_is_cap=0.99), "rollout_is_cap=0.99 is invalid: a float >= 1"),
-    (dict(name="grpo", rollout_is_cap=0.5), "rollout_is_cap=0.5 is invalid: a float >= 1"),
-    (dict(name="grpo", rollout_is_cap=True), "rollout_is_cap=True is invalid: a float >= 1"),
-    (dict(name="grpo", rollout_rs="tis"), "rollout_rs='tis' is invalid: one of ('none', "
-     "'token', 'sequence', 'icepop')"),
-    (dict(name="grpo", rollout_rs="token", rollout_rs_high=-0.5), "rollout_rs_high=-0.5 is "
-     f"invalid: {_FLOAT0}"),
-    (dict(name="grpo", rollout_rs="token", rollout_rs_low=-1.0), "rollout_rs_low=-1.0 is "
-     f"invalid: {_FLOAT0}"),
-    (dict(name="grpo", rollout_rs_low=0.5), "rollout_rs_low=0.5 is invalid: None while "
-     "rollout_rs='none' (set rollout_rs to reject)"),
-    (dict(name="grpo", rollout_rs_high=3.0), "rollout_rs_high=3.0 is invalid: None while "
-     "rollout_rs='none' (set rollout_rs to reject)"),
-    (dict(name="grpo", rollout_rs="token", rollout_rs_low=2.0), "rollout_rs_high=None is "
-     "invalid: above rollout_rs_low (2.0)"),
-    (dict(name="grpo", rollout_rs="icepop", rollout_rs_low=6.0), "rollout_rs_high=None is "
-     "invalid: above rollout_rs_low (6.0)"),
+BAD_CONFIGS = [  # (LossConfig keywords, the field named): each value just past what is valid
+    (dict(name="ppo"), "name"),
+    (_ESPO | dict(agg="token-mean"), "agg"),
+    (_ESPO | dict(clip_low=0.2), "clip_low"),
+    (_ESPO | dict(clip_high=0.0), "clip_high"),
+    (dict(name="grpo", agg="mean"), "agg"),
+    (dict(name="grpo", clip_low=-0.1), "clip_low"),
+    (dict(name="grpo", clip_high="0.2"), "clip_high"),
+    (dict(name="grpo", clip_high=True), "clip_high"),
+    (dict(name="gspo", dual_clip=3.0), "dual_clip"),
+    (dict(name="grpo", dual_clip=True), "dual_clip"),
+    (dict(name="grpo", dual_clip=1.0), "dual_clip"),
+    (dict(name="grpo", norm_length=0), "norm_length"),
+    (dict(name="grpo", norm_length=2.0), "norm_length"),
+    (_ESPO | dict(top_frac=0.0), "top_frac"),
+    (_ESPO | dict(top_frac=1.01), "top_frac"),
+    (_ESPO | dict(top_frac=True), "top_frac"),
+    (_ESPO | dict(num_groups=0), "num_groups"),
+    (_ESPO | dict(num_groups=2.0), "num_groups"),
+    (_ESPO | dict(quantile_scope="global"), "quantile_scope"),
+    (_ESPO | dict(alpha=0.0), "alpha"),
+    (_ESPO | dict(alpha=True), "alpha"),
+    (dict(name="espo"), "vocab_size"),
+    (dict(name="grpo", vocab_size=1), "vocab_size"),
+    (_ESPO | dict(espo_ratio="token"), "espo_ratio"),
+    (dict(name="grpo", kl_coef=-1e-3), "kl_coef"),
+    (dict(name="grpo", kl_coef=None), "kl_coef"),
+    (dict(name="grpo", kl_estimator="k4"), "kl_estimator"),
+    (dict(name="grpo", overlong_filter=1), "overlong_filter"),
+    (dict(name="grpo", rollout_is="seq"), "rollout_is"),
+    (dict(name="grpo", rollout_is_cap=0.99), "rollout_is_cap"),
+    (dict(name="grpo", rollout_is_cap=0.5), "rollout_is_cap"),
+    (dict(name="grpo", rollout_is_cap=True), "rollout_is_cap"),
+    (dict(name="grpo", rollout_rs="tis"), "rollout_rs"),
+    (dict(name="grpo", rollout_rs="token", rollout_rs_high=-0.5), "rollout_rs_high"),
+    (dict(name="grpo", rollout_rs="token", rollout_rs_low=-1.0), "rollout_rs_low"),
+    (dict(name="grpo", rollout_rs_low=0.5), "rollout_rs_low"),
+    (dict(name="grpo", rollout_rs_high=3.0), "rollout_rs_high"),
+    (dict(name="grpo", rollout_rs="token", rollout_rs_low=2.0), "rollout_rs_high"),
+    (dict(name="grpo", rollout_rs="icepop", rollout_rs_low=6.0), "rollout_rs_high"),
     (dict(name="grpo", rollout_rs="token", rollout_rs_low=1.0, rollout_rs_high=1.0),
-     "rollout_rs_high=1.0 is invalid: above rollout_rs_low (1.0)"),
+     "rollout_rs_high"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("kwargs, message", BAD_CONFIGS, ids=lambda x: str(x)[:40])
-def test_an_invalid_config_is_refused_with_its_whole_message(kwargs, message):
-    with pytest.raises(ValueError) as error:
+@pytest.mark.parametrize("kwargs, field", BAD_CONFIGS, ids=lambda x: str(x)[:40])
+def test_an_invalid_config_is_refused_naming_the_field(kwargs, field):
+    with raises_invalid(field, where="LossConfig"):
         losses.LossConfig(**kwargs)
-    assert str(error.value) == f"LossConfig.{message}"
 
 
 def test_configs_at_the_edges_of_what_is_valid_are_accepted():

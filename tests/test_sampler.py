@@ -20,7 +20,8 @@ import pytest
 from absl.testing import parameterized
 from jax.sharding import PartitionSpec as P
 
-from espo import model, quant, sampler, scheduling, sharding, testing, train_step
+from espo import errors, model, quant, sampler, scheduling, sharding, testing, train_step
+from espo.testing import raises_invalid
 
 EOS, PAD = 5, 0
 
@@ -75,22 +76,22 @@ def test_a_row_stops_at_any_of_the_stop_ids():
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("stop_ids", (), "stop_ids=() is invalid: a non-empty tuple"),
-        ("stop_ids", 5, "stop_ids=5 is invalid: a non-empty tuple"),
-        ("stop_ids", (1, 1), "stop_ids=(1, 1) is invalid"),
-        ("stop_ids", (1, -1), "stop_ids=(1, -1) is invalid"),
-        ("stop_ids", (1.0,), "stop_ids=(1.0,) is invalid"),
-        ("pad_id", -1, "pad_id=-1 is invalid: a token id >= 0"),
-        ("max_new_tokens", 0, "max_new_tokens=0 is invalid: >= 1"),
-        ("temperature", -0.5, "temperature=-0.5 is invalid: a float >= 0 (0: greedy)"),
-        ("top_p", 0.0, "top_p=0.0 is invalid: in (0, 1]"),
-        ("top_p", 1.5, "top_p=1.5 is invalid: in (0, 1]"),
-        ("top_k", -1, "top_k=-1 is invalid: an int >= 0 (0: no top-k)"),
+        ("stop_ids", (), "stop_ids"),
+        ("stop_ids", 5, "stop_ids"),
+        ("stop_ids", (1, 1), "stop_ids"),
+        ("stop_ids", (1, -1), "stop_ids"),
+        ("stop_ids", (1.0,), "stop_ids"),
+        ("pad_id", -1, "pad_id"),
+        ("max_new_tokens", 0, "max_new_tokens"),
+        ("temperature", -0.5, "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -1, "top_k"),
     ],
 )
 def test_sampling_params_name_the_bad_field(field, value, message):
     good = dict(max_new_tokens=4, stop_ids=(1,), pad_id=0)
-    with pytest.raises(ValueError, match=re.escape(f"SamplingParams.{message}")):
+    with raises_invalid(message, where="SamplingParams"):
         sampler.SamplingParams(**(good | {field: value}))
     # A list of ids is stored as a tuple (hashable: it is a jit static of the sampler).
     assert sampler.SamplingParams(**(good | {"stop_ids": [2, 1]})).stop_ids == (2, 1)
@@ -126,18 +127,20 @@ def test_a_model_without_the_protocol_is_refused():
 @pytest.mark.parametrize(
     ("num_samples", "lengths", "message"),
     [
-        (0, [2, 3], "num_samples=0 is invalid: an int >= 1"),
-        (2.0, [2, 3], "num_samples=2.0 is invalid: an int >= 1"),
+        (0, [2, 3], "num_samples"),
+        (2.0, [2, 3], "num_samples"),
         (1, [2, 0], "prompt_lengths must be >= 1, got min 0"),
     ],
 )
 def test_sample_names_a_bad_num_samples_or_an_empty_prompt(num_samples, lengths, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError) as error:
         sampler.sample(
             testing.CountingModel(), None, np.ones((2, 3), int), np.array(lengths),
             key=jax.random.key(0), num_samples=num_samples, max_new_tokens=4, stop_ids=(1,),
             pad_id=0,
         )  # fmt: skip
+    got = error.value.field if isinstance(error.value, errors.InvalidValue) else str(error.value)
+    assert got == message
 
 
 @pytest.mark.slow
