@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import operator
 import os
@@ -121,6 +122,21 @@ def _leaf_name(path: tuple) -> str:
 
 def _describe(shape: Any, dtype: Any) -> str:
     return f"{jax.numpy.dtype(dtype).name}{list(shape)}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 25
+    keep: int = 2
+
+    def __post_init__(self):
+        errors.check(
+            self,
+            {
+                "every_steps": (errors.is_int(self.every_steps) and self.every_steps >= 1, ">= 1"),
+                "keep": (errors.is_int(self.keep) and self.keep >= 1, ">= 1"),
+            },
+        )
 
 
 class Checkpointer:

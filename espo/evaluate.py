@@ -43,6 +43,7 @@ from espo import errors, sampler, scheduling
 from espo.model import config as config_lib
 
 CORRECT_ABOVE = 0.5  # reward > this counts as a correct completion
+EVAL_SPLITS = ("test", "dev")  # the halves of a held-out set (espo.data.sources.eval_split_of)
 
 # Arguments of `sampler.sample` that `evaluate` sets itself (not allowed in `sampling_kw`).
 _RESERVED = ("key", "num_samples", "max_new_tokens", "temperature", "buckets")
@@ -50,7 +51,7 @@ _RESERVED = ("key", "num_samples", "max_new_tokens", "temperature", "buckets")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    """How held-out prompts are evaluated."""
+    """How held-out prompts are evaluated, and (the trainer's part) when and on how many."""
 
     samples: int = 8  # k: sampled completions per prompt for avg@k / pass@k
     temperature: float = 1.0  # sampling temperature of the k samples (greedy pass@1 uses 0)
@@ -58,6 +59,11 @@ class EvalConfig:
     batch_size: int = 64  # rows per sampler call (prompts x samples); >= samples
     # Prompts of the sampled pass (avg@k, pass@k, maj@k): the first this many; 0 = all.
     sampled_prompts: int = 0
+    # The trainer's schedule: every this many RL steps (0: only at the start and the end), on the
+    # first `num_prompts` held-out prompts of `split` (test: report | dev: tune).
+    every_steps: int = 0
+    num_prompts: int = 256
+    split: str = "test"
 
     def __post_init__(self):
         checks = {
@@ -79,6 +85,9 @@ class EvalConfig:
                 and self.batch_size >= (self.samples if _is_int(self.samples) else 1),
                 f"an int >= samples={self.samples!r} (a sampler call holds whole prompts)",
             ),
+            "every_steps": (_is_int(self.every_steps) and self.every_steps >= 0, "an int >= 0"),
+            "num_prompts": (_is_int(self.num_prompts) and self.num_prompts >= 1, "an int >= 1"),
+            "split": (self.split in EVAL_SPLITS, " | ".join(EVAL_SPLITS)),
         }
         errors.check(self, checks)
 

@@ -20,7 +20,7 @@ Every chunk draws from its own key, `fold_in(key, chunk number)` (1, 2, ... in d
 samples of one prompt in different chunks at the same row are independent, and the same key
 reproduces the rollout. With `num_shards` > 1 the plan assigns chunks to data-parallel shards by
 LPT on their cost (`rollout/shard_imbalance` reports the realised max / mean load); this host
-decodes them all. How to sample and schedule is one `RolloutConfig`.
+decodes them all. How to sample and schedule is one `RolloutSpec`.
 
 The result is a `RolloutResult`: the `types.Rollout` (arrays only: sampler log-probs, entropies,
 the router trace for replay, rewards with failed ones flagged in `reward_ok`), the completion
@@ -57,6 +57,51 @@ _is_int = errors.is_int
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
+    """Sampling settings and scheduling of the rollout engine (the `rollout` section)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    fp8: bool = True
+    dtype: str = ""  # sampler activation / matmul dtype; "" = the model's
+    max_chunk_size: int = 64
+    schedule: str = "length_aware"
+    overlap_rewards: bool = True  # score finished samples while later chunks decode
+    detokenize: str = "workers"  # where completions are detokenized: workers | host (serial)
+    reward_workers: int = 2
+    reward_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        num, dtypes = errors.is_real, ("", "float32", "bfloat16", "float16")
+        errors.check(
+            self,
+            {
+                "temperature": (num(self.temperature) and self.temperature >= 0, ">= 0"),
+                "top_p": (num(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+                "top_k": (_is_int(self.top_k) and self.top_k >= 0, "an int >= 0"),
+                "fp8": (isinstance(self.fp8, bool), "True or False"),
+                "dtype": (self.dtype in dtypes, "'' (the model's), float32, bfloat16 or float16"),
+                "max_chunk_size": (
+                    _is_int(self.max_chunk_size) and self.max_chunk_size >= 1,
+                    "an int >= 1",
+                ),
+                "schedule": (self.schedule in SCHEDULES, " | ".join(SCHEDULES)),
+                "overlap_rewards": (isinstance(self.overlap_rewards, bool), "True or False"),
+                "detokenize": (self.detokenize in ("workers", "host"), "workers or host"),
+                "reward_workers": (
+                    _is_int(self.reward_workers) and self.reward_workers >= 1,
+                    "an int >= 1",
+                ),
+                "reward_timeout_s": (
+                    num(self.reward_timeout_s) and self.reward_timeout_s > 0,
+                    "> 0",
+                ),
+            },
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSpec:
     """How a rollout step samples and schedules: the one settings object of `generate_and_score`."""
 
     sampling: sampler.SamplingParams  # decoding settings, max_new_tokens, stop and pad ids
@@ -87,7 +132,7 @@ class RolloutConfig:
         errors.check(self, checks)
         if self.sampling.max_new_tokens > self.buckets.generation_buckets[-1]:
             raise errors.InvalidValue(
-                "RolloutConfig.sampling", "max_new_tokens", self.sampling.max_new_tokens,
+                "RolloutSpec.sampling", "max_new_tokens", self.sampling.max_new_tokens,
                 "<= the largest generation bucket, "
                 f"buckets.generation_buckets={self.buckets.generation_buckets}",
             )  # fmt: skip
@@ -121,7 +166,7 @@ class _Step:
     prompts: Sequence[Sequence[int]]
     prompt_texts: Sequence[str]
     metas: Sequence[Mapping]
-    config: RolloutConfig
+    config: RolloutSpec
     requests: tuple[scheduling.Request, ...]
     row_prompt: np.ndarray  # [N] the prompt index of each row
     prompt_width: int  # Tp: the largest prompt bucket of the step
@@ -236,7 +281,7 @@ def _check_inputs(
 
 
 def _plan(
-    *, prompts, prompt_texts, metas, sizes: list[int], prompt_ids, config: RolloutConfig
+    *, prompts, prompt_texts, metas, sizes: list[int], prompt_ids, config: RolloutSpec
 ) -> _Step:
     """One request per sample (prompt-major rows) and the step's buffer widths."""
     ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
@@ -439,7 +484,7 @@ def generate_and_score(
     metas: Sequence[Mapping],
     group_sizes: int | Sequence[int],
     key: jax.Array,
-    config: RolloutConfig,
+    config: RolloutSpec,
     reward_pool: pool_lib.RewardPool,
     predictor: scheduling.LengthPredictor | None = None,
     prompt_ids: Sequence[str | int] | None = None,
@@ -458,8 +503,8 @@ def generate_and_score(
       detokenize: None (default): the reward pool's workers detokenize (the pool needs
         `RewardPool(detokenize=...)`); a callable: detokenize on the host, serially.
     """
-    if not isinstance(config, RolloutConfig):
-        raise errors.InvalidValue("", "config", config, "an espo.rollout.RolloutConfig")
+    if not isinstance(config, RolloutSpec):
+        raise errors.InvalidValue("", "config", config, "an espo.rollout.RolloutSpec")
     sizes = _check_inputs(
         prompts=prompts, prompt_texts=prompt_texts, metas=metas, group_sizes=group_sizes,
         predictor=predictor, prompt_ids=prompt_ids, reward_pool=reward_pool,

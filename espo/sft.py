@@ -23,10 +23,42 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from espo import packing, sampler, train_step
+from espo import errors, packing, sampler, train_step
 from espo.model import config as config_lib
 
 ROW_MULTIPLE = 8  # packed SFT batches have a multiple of this many rows
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SftConfig:
+    """The supervised warm start: token NLL on task demonstrations."""
+
+    steps: int = 0
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    warmup_steps: int = 0
+    packing: bool = False  # demonstrations packed end to end (espo.sft.packed_batch)
+
+    def __post_init__(self):
+        errors.check(
+            self,
+            {
+                "steps": (errors.is_int(self.steps) and self.steps >= 0, "an int >= 0"),
+                "packing": (isinstance(self.packing, bool), "True or False"),
+                "batch_size": (
+                    errors.is_int(self.batch_size) and self.batch_size >= 1,
+                    "an int >= 1",
+                ),
+                "learning_rate": (
+                    errors.is_real(self.learning_rate) and self.learning_rate > 0,
+                    "> 0",
+                ),
+                "warmup_steps": (
+                    errors.is_int(self.warmup_steps) and self.warmup_steps >= 0,
+                    ">= 0",
+                ),
+            },
+        )
 
 
 def demonstration_batch(

@@ -14,11 +14,15 @@ step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from espo import errors
 
 AXES = ("data", "fsdp", "expert")
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -53,6 +57,47 @@ _LOGICAL = {
     "up_proj": ("embed", "mlp"),
     "down_proj": ("mlp", "embed"),
 }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh sizes (`espo.sharding.make_mesh`); their product is the device count."""
+
+    data: int = -1  # data parallelism; -1 = the devices the other axes leave
+    fsdp: int = 1  # parameters and optimizer state sharded along the model dimension
+    expert: int = 1  # experts split over devices
+
+    def __post_init__(self):
+        valid = "an int >= 1, or -1 (the devices the other axes leave)"
+        ok = lambda x: errors.is_int(x) and (x >= 1 or x == -1)
+        errors.check(self, {f: (ok(getattr(self, f)), valid) for f in ("data", "fsdp", "expert")})
+        rest = [f for f in ("data", "fsdp", "expert") if getattr(self, f) == -1]
+        if len(rest) > 1:
+            raise errors.InvalidValue("MeshConfig", rest[1], -1, f"at most one axis -1 ({rest[0]})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """`jax.distributed.initialize` arguments: an empty coordinator = one process, or what the
+    environment says (JAX_COORDINATOR_ADDRESS; TPU pod slices and SLURM / Open MPI)."""
+
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self):
+        n = self.num_processes
+        errors.check(
+            self,
+            {
+                "coordinator": (isinstance(self.coordinator, str), "a 'host:port' string"),
+                "num_processes": (errors.is_int(n) and n >= 1, "an int >= 1"),
+                "process_id": (
+                    errors.is_int(self.process_id) and 0 <= self.process_id < max(n, 1),
+                    f"an int in [0, num_processes={n})",
+                ),
+            },
+        )
 
 
 def logical_axes(params) -> dict:

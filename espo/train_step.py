@@ -462,6 +462,120 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
     return new, metrics
 
 
+SCHEDULES = ("cosine", "constant")  # OptimizerConfig.schedule
+OLD_LOGPS = ("recompute", "sampler")  # TrainConfig.old_logps
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """optax AdamW with linear warmup then cosine (or constant), global-norm clipped."""
+
+    learning_rate: float
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    end_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self):
+        errors.check(
+            self,
+            {
+                "learning_rate": (
+                    errors.is_real(self.learning_rate) and self.learning_rate > 0,
+                    "> 0",
+                ),
+                "warmup_steps": (
+                    errors.is_int(self.warmup_steps) and self.warmup_steps >= 0,
+                    ">= 0",
+                ),
+                "schedule": (self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
+                "end_lr_ratio": (
+                    errors.is_real(self.end_lr_ratio) and 0 <= self.end_lr_ratio <= 1,
+                    "[0, 1]",
+                ),
+                "weight_decay": (
+                    errors.is_real(self.weight_decay) and self.weight_decay >= 0,
+                    ">= 0",
+                ),
+                "b1": (errors.is_real(self.b1) and 0 <= self.b1 < 1, "[0, 1)"),
+                "b2": (errors.is_real(self.b2) and 0 <= self.b2 < 1, "[0, 1)"),
+                "eps": (errors.is_real(self.eps) and self.eps > 0, "> 0"),
+                "max_grad_norm": (
+                    errors.is_real(self.max_grad_norm) and self.max_grad_norm >= 0,
+                    ">= 0",
+                ),
+            },
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The RL loop: batch sizes, epochs, router replay and where pi_old comes from."""
+
+    steps: int
+    prompts_per_step: int
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0  # rows per optimiser update; 0 = the whole batch
+    micro_batch_size: int = 64  # rows per forward / backward
+    packing: bool = False  # packed updates: micro-batches of max_tokens_per_micro_batch tokens
+    max_tokens_per_micro_batch: int = 4096  # token budget of a packed micro-batch (train.packing)
+    router_replay: bool = True
+    old_logps: str = "recompute"
+    espo_entropy: str = "old"
+    rl_zvp_entropy: str = "current"
+    log_every: int = 1
+
+    def __post_init__(self):
+        errors.check(
+            self,
+            {
+                "steps": (errors.is_int(self.steps) and self.steps >= 0, "an int >= 0"),
+                "prompts_per_step": (
+                    errors.is_int(self.prompts_per_step) and self.prompts_per_step >= 1,
+                    "an int >= 1",
+                ),
+                "ppo_epochs": (
+                    errors.is_int(self.ppo_epochs) and self.ppo_epochs >= 1,
+                    "an int >= 1",
+                ),
+                "mini_batch_size": (
+                    errors.is_int(self.mini_batch_size) and self.mini_batch_size >= 0,
+                    "an int >= 0 (0: the whole batch)",
+                ),
+                "micro_batch_size": (
+                    errors.is_int(self.micro_batch_size) and self.micro_batch_size >= 1,
+                    "an int >= 1",
+                ),
+                "packing": (isinstance(self.packing, bool), "True or False"),
+                "max_tokens_per_micro_batch": (
+                    errors.is_int(self.max_tokens_per_micro_batch)
+                    and self.max_tokens_per_micro_batch >= 1,
+                    "an int >= 1",
+                ),
+                "router_replay": (isinstance(self.router_replay, bool), "True or False"),
+                "old_logps": (self.old_logps in OLD_LOGPS, f"one of {OLD_LOGPS}"),
+                "log_every": (errors.is_int(self.log_every) and self.log_every >= 1, "an int >= 1"),
+            },
+        )
+
+    def batch_rows(self, max_group_size: int) -> tuple[int, int, int]:
+        """(rows, mini-batch rows, micro-batch rows) of the fixed-shape optimiser batch."""
+        rows = self.prompts_per_step * max_group_size
+        mini = self.mini_batch_size or rows
+        micro = min(self.micro_batch_size, mini)
+        rows = -(-rows // mini) * mini  # pad the batch up to whole mini-batches
+        if mini % micro:
+            raise errors.InvalidValue(
+                "TrainConfig", "micro_batch_size", self.micro_batch_size,
+                f"a divisor of the mini-batch ({mini} rows)",
+            )  # fmt: skip
+        return rows, mini, micro
+
+
 def make_optimizer(
     *,
     learning_rate: float,

@@ -210,7 +210,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
         return _train(config, s, mesh, workdir, progress=progress, t_start=t_start)
 
 
-def initialize_distributed(d: config_lib.DistributedConfig) -> None:
+def initialize_distributed(d: sharding.DistributedConfig) -> None:
     """`jax.distributed.initialize` once per process, before the first computation: from
     `config.distributed` when it names a coordinator, else from the environment when it has
     one (JAX_COORDINATOR_ADDRESS; TPU pod slices and SLURM / Open MPI are detected by JAX);
@@ -256,15 +256,15 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     # held-out file of the user's (data.eval_path) is the test set whole.
     evals = sources.eval_subset(
         eval_src,
-        s.eval_schedule.num_prompts,
+        s.eval.num_prompts,
         keep=lambda e: (
             len(encode(e)) <= s.max_prompt_length
-            and (s.data.eval_path or sources.eval_split_of(e.prompt) == s.eval_schedule.split)
+            and (s.data.eval_path or sources.eval_split_of(e.prompt) == s.eval.split)
         ),
     )
     if not evals:
         raise ValueError(
-            f"no held-out prompt of eval.split={s.eval_schedule.split!r} fits "
+            f"no held-out prompt of eval.split={s.eval.split!r} fits "
             f"data.max_prompt_length={s.max_prompt_length}"
         )
     reward_fn = reward_fn_of(s)
@@ -440,9 +440,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
             host.curriculum, cm = curr.update(host.curriculum, train_accuracy=out["train/accuracy"])
             out.update(cm)
             done = step + 1
-            if done == s.train.steps or (
-                s.eval_schedule.every_steps and done % s.eval_schedule.every_steps == 0
-            ):
+            if done == s.train.steps or (s.eval.every_steps and done % s.eval.every_steps == 0):
                 with timer.phase("eval"):
                     final_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
                 out.update(final_eval)
@@ -479,7 +477,7 @@ class _Generator:
         self.reward_model = reward_model  # model_rewards.RewardModelRewards or None
         self.host, self.encode, self.key, self.Tp, self.Tg = host, encode, key, Tp, Tg
         self.parts: list[tuple[rollout.RolloutResult, np.ndarray]] = []
-        self.config = rollout.RolloutConfig(
+        self.config = rollout.RolloutSpec(
             sampling=sampler.SamplingParams(
                 max_new_tokens=stage.max_new_tokens,
                 temperature=s.rollout.temperature,

@@ -245,7 +245,7 @@ def _lognormal_workload(*, num_prompts, group_size, max_new_tokens, seed=0, step
     sampling = sampler.SamplingParams(
         max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=(vocab - 1,), pad_id=0
     )
-    config = rollout.RolloutConfig(sampling=sampling, buckets=buckets, max_chunk_size=16)
+    config = rollout.RolloutSpec(sampling=sampling, buckets=buckets, max_chunk_size=16)
     return (*counting_model(vocab), prompts, ids, config)
 
 
@@ -313,7 +313,7 @@ def overlap(cfg, params, *, num_prompts, group_size, new_tokens, sleep_s):
     """Wall time of generate_and_score with a slow reward vs its two halves alone."""
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(2, cfg.vocab_size, 12)) for _ in range(num_prompts)]
-    config = rollout.RolloutConfig(
+    config = rollout.RolloutSpec(
         sampling=sampler.SamplingParams(
             max_new_tokens=new_tokens, stop_ids=_never_stop(cfg), pad_id=0
         ),

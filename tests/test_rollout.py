@@ -23,7 +23,7 @@ V = 64
 EOS = V - 1
 SAMPLING = sampler.SamplingParams(max_new_tokens=40, stop_ids=(EOS,), pad_id=0)
 BUCKETS = scheduling.LengthBuckets(prompt_buckets=(4, 8), generation_buckets=(8, 16, 32, 48))
-CONFIG = rollout.RolloutConfig(sampling=SAMPLING, buckets=BUCKETS, max_chunk_size=4)
+CONFIG = rollout.RolloutSpec(sampling=SAMPLING, buckets=BUCKETS, max_chunk_size=4)
 SIZES = [2, 1, 3, 2, 1, 2, 2, 1]
 IDS = [f"q{i}" for i in range(8)]
 
@@ -43,9 +43,9 @@ def reward_pool():
 
 
 def _run(reward_pool, fake, **kw):
-    """generate_and_score on the 8 prompts; RolloutConfig fields may be given as keywords."""
+    """generate_and_score on the 8 prompts; RolloutSpec fields may be given as keywords."""
     prompts, _ = _prompts()
-    fields = {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
+    fields = {f.name for f in dataclasses.fields(rollout.RolloutSpec)}
     config = dataclasses.replace(CONFIG, **{k: kw.pop(k) for k in fields & kw.keys()})
     args = dict(
         prompts=prompts, prompt_texts=[f"p{i}" for i in range(8)], metas=[{}] * 8,
@@ -388,7 +388,7 @@ def _run_tiny(params, reward_pool, *, key=0, temperature=1.0, group_sizes=(4, 3)
     return rollout.generate_and_score(
         MODEL, params, prompts=prompts, prompt_texts=["a", "b"], metas=[{}, {}],
         group_sizes=list(group_sizes), key=jax.random.key(key),
-        config=rollout.RolloutConfig(sampling=sampling, buckets=TINY_BUCKETS, max_chunk_size=2),
+        config=rollout.RolloutSpec(sampling=sampling, buckets=TINY_BUCKETS, max_chunk_size=2),
         reward_pool=reward_pool,
         # Budget 4: every row not done after 4 tokens is continued (to 8, then 16).
         predictor=scheduling.LengthPredictor(default_length=2), prompt_ids=["a", "b"],
@@ -479,7 +479,7 @@ BAD_ARGUMENTS = [  # (keywords of `_run`, the field an InvalidValue names, or a 
 def test_every_bad_argument_is_refused_before_decoding_with_its_whole_message(
     reward_pool, kw, message
 ):
-    """Each check of `RolloutConfig` and `generate_and_score`, with a value just past what it
+    """Each check of `RolloutSpec` and `generate_and_score`, with a value just past what it
     accepts (0, a bool or a float for an int, one element too few or too many). The model is
     not one: every check runs before the model is looked at."""
     with pytest.raises(ValueError) as error:
@@ -540,7 +540,7 @@ def test_continued_rows_keep_their_prefix_so_lengths_follow_the_policy(reward_po
     result = rollout.generate_and_score(
         fake, None, prompts=[[1, 2], [3]], prompt_texts=["a", "b"], metas=[{}, {}],
         group_sizes=128, key=jax.random.key(5), reward_pool=reward_pool,
-        config=rollout.RolloutConfig(sampling=sampling, buckets=buckets, max_chunk_size=32),
+        config=rollout.RolloutSpec(sampling=sampling, buckets=buckets, max_chunk_size=32),
         predictor=scheduling.LengthPredictor(default_length=2), prompt_ids=["a", "b"],
     )  # fmt: skip
     lengths = result.rollout.lengths  # 256 rows: standard errors 0.031 and 0.43

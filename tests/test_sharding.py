@@ -125,7 +125,7 @@ def test_mesh_config_errors_name_the_key():
         cfg.mesh.update(mesh)
         return config_lib.Settings.from_config(cfg)
 
-    assert settings(data=2, expert=-1).mesh == config_lib.MeshConfig(data=2, fsdp=1, expert=-1)
+    assert settings(data=2, expert=-1).mesh == sharding.MeshConfig(data=2, fsdp=1, expert=-1)
     with raises_invalid("expert", where="--config.mesh", kind=config_lib.ConfigError):
         settings(expert=0)
     with raises_invalid("fsdp", where="--config.mesh", kind=config_lib.ConfigError):

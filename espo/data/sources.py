@@ -149,7 +149,7 @@ def _in_held_out(prompt: str, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2.0**64 < fraction
 
 
-EVAL_SPLITS = ("test", "dev")
+EVAL_SPLITS = ("test", "dev")  # evaluate.EVAL_SPLITS (tests/data/test_sources.py checks)
 
 
 def eval_split_of(prompt: str) -> str:

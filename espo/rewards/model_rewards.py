@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,47 @@ def save(directory: str | pathlib.Path, cfg: model.ModelConfig, params: dict) ->
     manifest = {"format": FORMAT, "model_config": dataclasses.asdict(cfg)}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     return directory
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """Reward shaping weights (L_max of the overlong penalty is the stage's max_new_tokens)."""
+
+    overlong_weight: float = 1.0
+    overlong_cache_fraction: float = 0.5
+    repetition_weight: float = 0.0
+    ngram_size: int = 4
+    repetition_threshold: float = 0.0
+    function: str = ""  # "module:name" of a reward fn(prompt, completion, meta) -> float
+    model_path: str = ""  # a saved reward model (espo.rewards.model_rewards) scoring rollouts
+    model_mode: str = "adjusted"  # how its scores become rewards: naive | adjusted | judge
+    # RM score gaps below it are ties (adjusted, judge)
+    model_dead_zone: float = rm.DEFAULT_DEAD_ZONE
+    # A control: the rewards of each rollout call permuted over its rows (a policy that learns
+    # from them learns from something other than the reward); metrics keep the true rewards.
+    shuffle: bool = False
+
+    def __post_init__(self):
+        frac = self.overlong_cache_fraction
+        dz = self.model_dead_zone
+        spec = re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.function or "x:y")
+        errors.check(
+            self,
+            {
+                "overlong_cache_fraction": (errors.is_real(frac) and 0 < frac <= 1, "in (0, 1]"),
+                "function": (
+                    isinstance(self.function, str) and spec is not None,
+                    "'' (the data source's verifier) or 'module:name'",
+                ),
+                "model_path": (isinstance(self.model_path, str), "a directory or ''"),
+                "model_mode": (
+                    self.model_mode in MODES,
+                    " | ".join(MODES),
+                ),
+                "model_dead_zone": (errors.is_real(dz) and dz >= 0, ">= 0"),
+                "shuffle": (isinstance(self.shuffle, bool), "True or False"),
+            },
+        )
 
 
 def load(directory: str | pathlib.Path) -> tuple[model.ModelConfig, dict]:

@@ -13,6 +13,7 @@ import pytest
 from espo import config as config_lib
 from espo import testing
 from espo.data import chains, examples, sources, worked
+from espo.rewards import model_rewards
 from espo.testing import raises_invalid
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -204,7 +205,7 @@ def test_config_errors_name_the_key(section, field, value):
 
 def test_reward_shuffle_must_be_a_bool():
     with raises_invalid("shuffle", where="RewardConfig"):
-        config_lib.RewardConfig(shuffle=1)
+        model_rewards.RewardConfig(shuffle=1)
 
 
 def test_dev_split_needs_a_held_out_set_cut_from_the_data():
@@ -214,4 +215,4 @@ def test_dev_split_needs_a_held_out_set_cut_from_the_data():
     with pytest.raises(config_lib.ConfigError, match=r"--config\.eval\.split='dev'"):
         config_lib.Settings.from_config(cfg)
     cfg.eval.split = "test"
-    assert config_lib.Settings.from_config(cfg).eval_schedule.split == "test"
+    assert config_lib.Settings.from_config(cfg).eval.split == "test"
