@@ -47,6 +47,7 @@ Padding tokens (mask False) get 0 and never reach a max or a sum, whatever they 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -55,7 +56,33 @@ from jaxtyping import Array, Bool, Float, Int
 
 from espo import errors
 
-ESTIMATORS = ("grpo", "dr_grpo", "rft")
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """How an estimator turns a group's rewards into per-row advantages (`compute`).
+
+    `advantages(rewards, st, cfg)` -> (signal [N] bool: rows that carry an advantage,
+    advantages [N]); `group_relative` estimators subtract the group mean, so their zero-variance
+    groups get 0, shaping is added centred, and (with `cfg.rl_zvp`) RL-ZVP may give those groups
+    token advantages; the others score each row on its own.
+    """
+
+    advantages: Callable
+    group_relative: bool = True
+    scale_by_std: bool = False
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register(name: str, **traits):
+    """Decorator: adds `fn(rewards, st, cfg) -> (signal, advantages)` as estimator `name`."""
+
+    def add(fn):
+        ESTIMATORS[name] = Estimator(fn, **traits)
+        return fn
+
+    return add
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,7 +100,7 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         checks = {
-            "estimator": (self.estimator in ESTIMATORS, f"one of {ESTIMATORS}"),
+            "estimator": (self.estimator in ESTIMATORS, f"one of {tuple(ESTIMATORS)}"),
             "eps": (_is_real(self.eps) and self.eps >= 0, "a float >= 0"),
             "atol": (_is_real(self.atol) and self.atol >= 0, "a float >= 0"),
             "rl_zvp": (isinstance(self.rl_zvp, bool), "a bool"),
@@ -84,7 +111,7 @@ class AdvantageConfig:
 
     @property
     def scale_by_std(self) -> bool:
-        return self.estimator == "grpo"
+        return ESTIMATORS[self.estimator].scale_by_std
 
 
 _is_real = errors.is_real
@@ -153,6 +180,26 @@ def _spread(values, st: _Stats):
     hi = jax.ops.segment_max(jnp.where(st.valid, values, -jnp.inf), st.seg, G)  # [G]
     lo = jax.ops.segment_min(jnp.where(st.valid, values, jnp.inf), st.seg, G)  # [G]
     return jnp.where(st.count > 0, hi - lo, 0.0)  # [G]
+
+
+@register("grpo", scale_by_std=True)
+def _grpo(rewards, st: _Stats, cfg):
+    """(r - mean) / (std + eps) over the group's valid rows (groups of >= 2 valid rows)."""
+    centred = _centred(rewards, st)  # [N]
+    return st.valid & (st.count >= 2)[st.seg], centred / (_std(centred, st)[st.seg] + cfg.eps)
+
+
+@register("dr_grpo")
+def _dr_grpo(rewards, st: _Stats, cfg):
+    """r - mean (Dr. GRPO: no division by the std)."""
+    del cfg
+    return st.valid & (st.count >= 2)[st.seg], _centred(rewards, st)
+
+
+@register("rft", group_relative=False)
+def _rft(rewards, st: _Stats, cfg):
+    """1 if r > success_threshold else 0, whatever the group (online rejection-sampling FT)."""
+    return st.valid, (rewards > cfg.success_threshold).astype(jnp.float32)
 
 
 def normalize(
@@ -285,15 +332,9 @@ def compute(
     zero_variance = signal_group & (_spread(rewards, st) <= cfg.atol)  # [G]
     no_signal = st.present & ~signal_group  # [G]
 
-    if cfg.estimator == "rft":  # the correct rows' likelihood: no baseline, every group
-        signal = st.valid  # [N]
-        reward_adv = (rewards > cfg.success_threshold).astype(jnp.float32)  # [N]
-    else:
-        signal = st.valid & signal_group[st.seg]  # [N]
-        centred = _centred(rewards, st)  # [N]
-        reward_adv = (
-            centred / (_std(centred, st)[st.seg] + cfg.eps) if cfg.scale_by_std else centred
-        )
+    estimator = ESTIMATORS[cfg.estimator]
+    signal, reward_adv = estimator.advantages(rewards, st, cfg)  # [N], [N]
+    if estimator.group_relative:
         reward_adv = jnp.where(zero_variance[st.seg], 0.0, reward_adv)  # [N]
         if shaping is not None:
             shaping = jax.lax.stop_gradient(jnp.asarray(shaping, jnp.float32))
@@ -304,7 +345,7 @@ def compute(
     if verifiable is not None:
         bad = st.valid & ~jnp.asarray(verifiable, bool)  # [N]
         unverifiable = jax.ops.segment_max(bad.astype(jnp.int32), st.seg, num_groups) > 0
-    zvp_group = zero_variance & ~unverifiable & cfg.rl_zvp & (cfg.estimator != "rft")  # [G]
+    zvp_group = zero_variance & ~unverifiable & cfg.rl_zvp & estimator.group_relative  # [G]
     mean_reward = jax.ops.segment_sum(jnp.where(st.valid, rewards, 0.0), st.seg, num_groups)
     correct = mean_reward / jnp.maximum(st.count, 1.0) > cfg.success_threshold  # [G]
     sign = jnp.where(correct, 1, -1)[st.seg]  # [N]

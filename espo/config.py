@@ -48,6 +48,19 @@ from espo.rewards import model_rewards
 ConfigError = errors.ConfigError  # the error every section raises, naming its --config key
 
 
+def sections() -> dict[str, type]:
+    """The config section -> the dataclass it becomes (curriculum: a list of Stage dicts)."""
+    return {
+        "model": model_config.ModelConfig, "data": data_examples.DataConfig,
+        "rollout": rollout.RolloutConfig, "train": train_step.TrainConfig,
+        "optimizer": train_step.OptimizerConfig, "sft": sft.SftConfig,
+        "eval": evaluate.EvalConfig, "checkpoint": checkpoint.CheckpointConfig,
+        "loss": losses.LossConfig, "advantage": advantages.AdvantageConfig,
+        "zve": zero_variance.ZveConfig, "reward": model_rewards.RewardConfig,
+        "mesh": sharding.MeshConfig, "distributed": sharding.DistributedConfig,
+    }  # fmt: skip
+
+
 def build(cls, section: Mapping[str, Any] | ml_collections.ConfigDict, key: str, **extra):
     """`cls(**section, **extra)`; an InvalidValue comes out as a ConfigError of `--config.<key>`."""
     fields = dict(section.to_dict() if hasattr(section, "to_dict") else section)
@@ -124,7 +137,10 @@ class Settings:
             )  # fmt: skip
         loss = dict(c.loss.to_dict())
         build(losses.LossConfig, loss, "loss", vocab_size=model.get("vocab_size") or 2)
-        adv = dict(c.advantage.to_dict(), rl_zvp=c.zve.mode == "rl_zvp")
+        # One tie tolerance (zve.atol) for the optimiser stage and the advantage's zero-variance
+        # groups; RL-ZVP is zve.mode's choice.
+        zve_mode = zero_variance.ZVE_MODES.get(c.zve.mode, zero_variance.ZveMode())
+        adv = dict(c.advantage.to_dict(), rl_zvp=zve_mode.rl_zvp, atol=c.zve.atol)
         return cls(
             seed=c.seed,
             workdir=c.workdir,

@@ -522,17 +522,18 @@ class _Generator:
             r, prompt_length=self.Tp, generation_length=self.Tg, pad_id=self.config.sampling.pad_id
         )
         reward, verifiable = verifier, None  # the reward advantages normalise (before shaping)
+        true_rewards = None  # the verifier's, kept when `reward` is something else
         if self.reward_model is not None:  # a learned RM's rewards; the verifier measures them
             correct = np.nan_to_num(verifier) > self.s.advantage.success_threshold
             reward, verifiable, rm_metrics = self.reward_model(
                 rows["tokens"], rows["attention_mask"], np.asarray(r.group_ids), correct
             )
             res = dataclasses.replace(res, metrics={**res.metrics, **rm_metrics})
-            rows["verifier_rewards"] = verifier  # what train/accuracy reads off carried groups
+            true_rewards = verifier  # what train/accuracy reads off carried groups
         if self.s.reward.shuffle:  # the shuffled-reward control: permuted over the valid rows
             key = jax.random.fold_in(jax.random.fold_in(self.key, 2**20), len(self.parts))
             reward = _shuffled(reward, np.asarray(r.reward_ok), key)
-            rows["verifier_rewards"] = verifier
+            true_rewards = verifier
         rep = self.shaping.repetition_weight > 0
         shaped, _ = shaping.shape_rewards(
             np.nan_to_num(reward), lengths=np.asarray(r.lengths),
@@ -546,6 +547,7 @@ class _Generator:
             raw_rewards=reward,
             valid=np.asarray(r.reward_ok),
             verifiable=verifiable,
+            true_rewards=true_rewards,
             rows=rows,
         )
 
@@ -561,7 +563,7 @@ class _Generator:
             ok = np.concatenate([np.asarray(r.reward_ok, bool) for r in rs])
             verifier = np.concatenate([np.asarray(r.rewards, np.float32) for r in rs])[ok]
         else:  # served wholly from carried-over groups
-            verifier = batch.rows.get("verifier_rewards", batch.verifier_rewards)[batch.valid]
+            verifier = batch.measured_rewards[batch.valid]
         out = {
             "train/reward_mean": float(verifier.mean()) if verifier.size else 0.0,
             "train/accuracy": float((verifier > thr).mean()) if verifier.size else 0.0,

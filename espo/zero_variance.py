@@ -73,7 +73,22 @@ from espo import errors
 
 Prompt = Any  # a prompt record: text, or a JSON-like mapping from a dataset row
 FORMAT = "espo.pass_rates.v1"
-ZVE_MODES = ("resample", "rl_zvp", "drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZveMode:
+    """What the optimiser stage (`fill_batch`) and the advantage do with zero-variance groups."""
+
+    resamples: bool = False  # draw more prompts for the groups it discards (DAPO), in rounds
+    keeps_zero_variance: bool = False  # they stay in the batch (else they are discarded)
+    rl_zvp: bool = False  # and the advantage gives the verifiable ones RL-ZVP token advantages
+
+
+ZVE_MODES: dict[str, ZveMode] = {
+    "resample": ZveMode(resamples=True),
+    "rl_zvp": ZveMode(keeps_zero_variance=True, rl_zvp=True),
+    "drop": ZveMode(),
+}
 PREFILTER_MODES = ("off", "drop", "downweight")
 
 
@@ -414,7 +429,7 @@ class PassRateHistory:
 
 # field -> (is valid given (config, value), what is valid); checked in ZveConfig.__post_init__.
 _ZVE_RULES: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
-    "mode": (lambda c, v: v in ZVE_MODES, f"one of {ZVE_MODES}"),
+    "mode": (lambda c, v: v in ZVE_MODES, f"one of {tuple(ZVE_MODES)}"),
     "max_resample_rounds": (lambda c, v: errors.is_int(v) and v >= 0, "an int >= 0"),
     "oversample": (lambda c, v: v >= 1.0, "a float >= 1"),
     "max_oversample": (lambda c, v: v >= c.oversample, "a float >= oversample"),
@@ -493,6 +508,9 @@ class Groups:
     valid: np.ndarray | None = None  # bool [N] reward call succeeded (reward_ok); None: all
     verifiable: np.ndarray | None = None  # bool [P] False: relative rewards (a judge); None: all
     ages: np.ndarray | None = None  # int64 [P] optimiser steps since sampling; None: all 0
+    # float32 [N] the verifier's own rewards when raw_rewards are not (a reward model's scores,
+    # the shuffled-reward control): what train/accuracy measures; None: raw_rewards are.
+    true_rewards: np.ndarray | None = None
     rows: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)  # [N, ...] payload
 
     def __post_init__(self) -> None:
@@ -510,6 +528,7 @@ class Groups:
         set_("group_ids", ids)
         set_("rewards", _row_major(self.rewards, n, np.float32, "rewards"))
         set_("raw_rewards", _row_major(self.raw_rewards, n, np.float32, "raw_rewards"))
+        set_("true_rewards", _row_major(self.true_rewards, n, np.float32, "true_rewards"))
         valid = np.ones(n, bool) if self.valid is None else self.valid
         set_("valid", _row_major(valid, n, bool, "valid"))
         for name, dtype, default in (("verifiable", bool, True), ("ages", np.int64, 0)):
@@ -578,6 +597,11 @@ class Groups:
         """float32 [N]: the rewards before shaping (`raw_rewards`, else `rewards`)."""
         return self.rewards if self.raw_rewards is None else self.raw_rewards
 
+    @property
+    def measured_rewards(self) -> np.ndarray:
+        """float32 [N]: the verifier's own rewards (`true_rewards`, else `verifier_rewards`)."""
+        return self.verifier_rewards if self.true_rewards is None else self.true_rewards
+
     def take(self, groups: Sequence[int] | np.ndarray) -> Groups:
         """The groups `groups` (ids, in that order) with their rows, renumbered 0..len-1."""
         index = np.asarray(groups, np.int64).reshape(-1)  # [P']
@@ -591,6 +615,7 @@ class Groups:
             group_ids=np.repeat(np.arange(index.size), sizes[index]),
             rewards=self.rewards[rows],
             raw_rewards=pick(self.raw_rewards),
+            true_rewards=pick(self.true_rewards),
             valid=self.valid[rows],
             verifiable=self.verifiable[index],
             ages=self.ages[index],
@@ -612,6 +637,7 @@ class Groups:
         offsets = np.cumsum([0] + [t.num_groups for t in tables[:-1]])
         cat = lambda f: np.concatenate([f(t) for t in tables])
         raw = any(t.raw_rewards is not None for t in tables)
+        true = any(t.true_rewards is not None for t in tables)
         return Groups(
             prompt_ids=sum((t.prompt_ids for t in tables), ()),
             group_ids=np.concatenate(
@@ -619,6 +645,7 @@ class Groups:
             ),
             rewards=cat(lambda t: t.rewards),
             raw_rewards=cat(lambda t: t.verifier_rewards) if raw else None,
+            true_rewards=cat(lambda t: t.measured_rewards) if true else None,
             valid=cat(lambda t: t.valid),
             verifiable=cat(lambda t: t.verifiable),
             ages=cat(lambda t: t.ages),
@@ -627,7 +654,8 @@ class Groups:
 
     def state_dict(self) -> dict[str, Any]:
         """Numpy arrays and plain python (`espo.checkpoint.arrays_to_json` makes it JSON)."""
-        names = ("group_ids", "rewards", "raw_rewards", "valid", "verifiable", "ages")
+        names = ("group_ids", "rewards", "raw_rewards", "true_rewards", "valid", "verifiable")
+        names += ("ages",)
         return dict(
             prompt_ids=list(self.prompt_ids),
             **{k: getattr(self, k) for k in names},
@@ -694,7 +722,8 @@ def fill_batch(
     leftovers, made = [], []  # informative groups generated beyond the batch; every new table
     stats: list[_CallStats] = []
     num_batch = parts[0].num_groups
-    resample = config.mode == "resample"
+    mode = ZVE_MODES[config.mode]
+    resample = mode.resamples
     calls, drawn_total, exhausted = 0, 0, False
     max_calls = 1 + config.max_resample_rounds if resample else 1
     while num_batch < batch_size and calls < max_calls and not exhausted:
@@ -727,7 +756,7 @@ def fill_batch(
                 valid=out.valid, atol=config.atol,
             )[0]  # fmt: skip
         stats.append(_CallStats(out.num_groups, out.num_rows, ~zero, num_valid, shaped))
-        kept = np.flatnonzero(np.ones_like(zero) if config.mode == "rl_zvp" else ~zero)
+        kept = np.flatnonzero(np.ones_like(zero) if mode.keeps_zero_variance else ~zero)
         room = batch_size - num_batch
         parts.append(out.take(kept[:room]))
         leftovers.append(out.take(kept[room:]))

@@ -50,7 +50,7 @@ MIXTURE = ((0.3, 0.5, 30.0), (0.2, 30.0, 0.5), (0.5, 1.0, 1.5))
 DRIFT = 0.5  # logit std between the offline (pass-rate table) and the training policy
 MEDIAN_CORRECT, MEDIAN_WRONG, LENGTH_SIGMA = 7000.0, 11000.0, 0.5  # lognormal response lengths
 GROUP_SIZES = (2, 4, 8, 16, 32)
-MODES = ("resample", "rl_zvp", "drop")
+MODES = tuple(zero_variance.ZVE_MODES)
 ENTROPY_TOKENS = 16  # tokens of simulated detached entropy per rollout (RL-ZVP's H_{i,t})
 _compute = advantages.compute_jit  # jitted once per padded (rows, groups, config)
 _old_rule = jax.jit(advantages.normalize, static_argnames="num_groups")
@@ -278,8 +278,8 @@ def run(
             )  # fmt: skip
             buffer, batches = out.buffer, batches + [out.batch]
         stages[f"optimiser: {mode}"] = summarize(
-            rng, concat(made), shaped=True, batch=concat(batches), use_rl_zvp=mode == "rl_zvp",
-            **steps,
+            rng, concat(made), shaped=True, batch=concat(batches),
+            use_rl_zvp=zero_variance.ZVE_MODES[mode].rl_zvp, **steps,
         )  # fmt: skip
     base = stages["raw GRPO"]["zvp_rate"]
     for row in stages.values():

@@ -738,3 +738,26 @@ def test_float_valid_flags_and_a_group_holding_only_padding():
     out = flat([1.0, 0.0, 5.0], [1, 1, -1], 2)
     np.testing.assert_array_equal(out.no_signal_groups, [False, False])
     assert float(out.metrics["adv/num_groups"]) == 1.0
+
+
+def test_estimators_are_a_registry_a_new_one_joins():
+    """advantage.estimator names an entry of `advantages.ESTIMATORS`; `register` adds one (here
+    a group-relative sign estimator) that AdvantageConfig accepts and `compute` applies, with
+    zero-variance groups at 0 as for every group-relative estimator."""
+    assert tuple(advantages.ESTIMATORS) == ("grpo", "dr_grpo", "rft")
+    assert [e.scale_by_std for e in advantages.ESTIMATORS.values()] == [True, False, False]
+
+    @advantages.register("sign_test")
+    def _sign(rewards, st, cfg):
+        del cfg
+        return st.valid & (st.count >= 2)[st.seg], jnp.sign(advantages._centred(rewards, st))
+
+    try:
+        cfg = advantages.AdvantageConfig(estimator="sign_test")
+        out = advantages.compute(
+            jnp.array([1.0, 0.0, 0.0, 0.5, 0.5]), group_ids=jnp.array([0, 0, 0, 1, 1]),
+            num_groups=2, cfg=cfg,
+        )  # fmt: skip
+        np.testing.assert_allclose(out.advantages, [1.0, -1.0, -1.0, 0.0, 0.0])
+    finally:
+        del advantages.ESTIMATORS["sign_test"]
