@@ -226,7 +226,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.loss.dual_clip = _float  # dual-clip constant for A < 0 (e.g. 3.0); None = off
     c.loss.norm_length = _int  # seq-mean-token-sum-norm divisor; None = T
     c.loss.top_frac = 0.2  # ESPO: share of tokens in the high-entropy group
-    c.loss.num_groups = 2  # ESPO: entropy groups per sequence
+    c.loss.num_entropy_groups = 2  # ESPO: entropy groups per sequence
     c.loss.quantile_scope = "sequence"  # ESPO: entropy quantiles per sequence or per batch
     c.loss.alpha = 0.02  # ESPO: eps = alpha * mean group entropy / log|V|
     c.loss.espo_ratio = "gspo_token"  # ESPO ratio reading: gspo_token | literal (Eq. 9)

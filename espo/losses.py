@@ -105,7 +105,7 @@ class LossConfig:
     dual_clip: float | None = None  # grpo only: dual-clip constant c > 1 for A < 0; None = off
     norm_length: int | None = None  # seq-mean-token-sum-norm constant; None = T of the batch
     top_frac: float = 0.2  # espo: fraction of a sequence's tokens in the top-entropy group
-    num_groups: int = 2  # espo: entropy groups per sequence (1 = one group = GSPO-like)
+    num_entropy_groups: int = 2  # espo: entropy groups per sequence (1 = one = GSPO-like)
     quantile_scope: str = "sequence"  # espo: entropy thresholds per "sequence" or per "batch"
     alpha: float = 0.02  # espo: eps_group = alpha * mean group entropy / log(vocab_size)
     vocab_size: int | None = None  # espo: |V| of the policy (required)
@@ -165,8 +165,8 @@ class LossConfig:
         )
         errors.require(
             self,
-            isinstance(self.num_groups, int) and self.num_groups >= 1,
-            "num_groups",
+            isinstance(self.num_entropy_groups, int) and self.num_entropy_groups >= 1,
+            "num_entropy_groups",
             "an int >= 1",
         )
         errors.require(
@@ -463,10 +463,12 @@ def espo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
         batch.entropies,
         mask,
         top_frac=cfg.top_frac,
-        num_groups=cfg.num_groups,
+        num_groups=cfg.num_entropy_groups,
         scope=cfg.quantile_scope,
     )  # [B, T]
-    group_mask = (groups[..., None] == jnp.arange(cfg.num_groups)) & mask[..., None]  # [B, T, K]
+    group_mask = (groups[..., None] == jnp.arange(cfg.num_entropy_groups)) & mask[
+        ..., None
+    ]  # [B, T, K]
     group_size = group_mask.astype(jnp.float32).sum(1)  # [B, K] valid tokens per group
     safe_size = jnp.maximum(group_size, 1.0)  # [B, K]
 
@@ -492,7 +494,7 @@ def espo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
     metrics = _ratio_metrics(ratio, indicators, mask)
     metrics["espo_eps_mean"] = _token_mean(eps, mask)
     clipped = indicators["clip_frac_low"] | indicators["clip_frac_high"]  # [B, T]
-    for k in range(cfg.num_groups):
+    for k in range(cfg.num_entropy_groups):
         in_group = group_mask[..., k]  # [B, T]
         metrics[f"clip_frac_group{k}"] = _token_mean(clipped, in_group)
         metrics[f"espo_eps_group{k}"] = _token_mean(eps, in_group)
@@ -645,7 +647,7 @@ def gradient_use(cfg: LossConfig, batch: Batch) -> dict[str, Float[Array, ""]]:
     (the KL penalty left out): it is dead when its advantage is 0, when its ratio is clipped (the
     token's, or for GSPO / ESPO its sequence's or entropy group's), or when its IS weight is 0.
     grad_token_frac = live share of the loss tokens. With entropies, per ESPO entropy group k
-    (`entropy_groups` with cfg.top_frac / num_groups / quantile_scope, for every loss; 0 = the
+    (`entropy_groups` with top_frac / num_entropy_groups / quantile_scope, for every loss; 0 = the
     highest entropies): grad_frac_group{k} = live share, clipped_frac_group{k} = share with a
     nonzero advantage and no gradient.
     """
@@ -655,11 +657,11 @@ def gradient_use(cfg: LossConfig, batch: Batch) -> dict[str, Float[Array, ""]]:
     out = {"grad_token_frac": _token_mean(live, batch.mask)}
     if batch.entropies is not None:
         groups = entropy_groups(
-            batch.entropies, batch.mask, top_frac=cfg.top_frac, num_groups=cfg.num_groups,
+            batch.entropies, batch.mask, top_frac=cfg.top_frac, num_groups=cfg.num_entropy_groups,
             scope=cfg.quantile_scope,
         )  # fmt: skip
         signal = batch.advantages != 0  # [B, T]
-        for k in range(cfg.num_groups):
+        for k in range(cfg.num_entropy_groups):
             in_group = batch.mask & (groups == k)
             out[f"grad_frac_group{k}"] = _token_mean(live, in_group)
             out[f"clipped_frac_group{k}"] = _token_mean(signal & ~live, in_group)

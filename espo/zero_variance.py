@@ -557,6 +557,7 @@ class Groups:
         rewards: Sequence[np.ndarray],
         raw_rewards: Sequence[np.ndarray] | None = None,
         valid: Sequence[np.ndarray] | None = None,
+        true_rewards: Sequence[np.ndarray] | None = None,
         rows: Mapping[str, Sequence[np.ndarray]] | None = None,
         **per_group: Any,
     ) -> Groups:
@@ -571,6 +572,7 @@ class Groups:
             rewards=cat(rewards) if sizes else empty,
             raw_rewards=cat(raw_rewards) if sizes else None,
             valid=cat(valid) if sizes else None,
+            true_rewards=cat(true_rewards) if sizes else None,
             rows={k: np.concatenate(v) for k, v in (rows or {}).items()},
             **per_group,
         )

@@ -210,7 +210,7 @@ LOSS_CONFIGS = [
     dict(name="grpo", dual_clip=2.0, agg="seq-mean-token-sum-norm", norm_length=9),
     dict(name="gspo", clip_low=0.02, clip_high=0.05, kl_coef=0.05),
     dict(name="espo", top_frac=0.3, kl_coef=0.05),
-    dict(name="espo", num_groups=3, espo_ratio="literal"),
+    dict(name="espo", num_entropy_groups=3, espo_ratio="literal"),
     dict(name="cispo", clip_low=0.2, clip_high=0.1, kl_coef=0.05),
 ]
 assert {c["name"] for c in LOSS_CONFIGS} == set(losses.LOSSES), "a registered loss is not covered"
@@ -353,4 +353,4 @@ def test_missing_or_misshapen_sampler_logps_raise_clear_errors():
         losses.compute_loss(
             loss_config(rollout_rs="icepop"), **batch, sampler_logps=jnp.zeros((B, T + 1))
         )
-    # The LossConfig checks of these options: test_losses.BAD_CONFIGS (whole messages).
+    # The LossConfig checks of these options: tests/losses/test_config.py BAD_CONFIGS.

@@ -274,7 +274,7 @@ class HandTest(parameterized.TestCase):
         ("grpo", dict(name="grpo", clip_low=0.1, clip_high=0.3), 25.0, math.exp(20.0)),
         # verl GSPO clamps the combined log ratio at 10; s = e^10 = 22026.47.
         ("gspo", dict(name="gspo", clip_low=0.1, clip_high=0.3), 12.0, math.exp(10.0)),
-        ("espo", dict(name="espo", vocab_size=30, num_groups=1), 12.0, math.exp(10.0)),
+        ("espo", dict(name="espo", vocab_size=30, num_entropy_groups=1), 12.0, math.exp(10.0)),
     )
     def test_ratio_clamps(self, cfg, log_r, clamped):
         # One token, A = -1, log r past the clamp: the pessimistic max keeps the unclipped
@@ -331,7 +331,9 @@ class HandTest(parameterized.TestCase):
     )
     def test_gradient_use_groups_follow_the_quantile_scope(self, scope, by_group):
         _, _, m, _ = self.run_loss(
-            dict(name="grpo", vocab_size=16, top_frac=0.5, num_groups=2, quantile_scope=scope),
+            dict(
+                name="grpo", vocab_size=16, top_frac=0.5, num_entropy_groups=2, quantile_scope=scope
+            ),
             np.zeros((2, 2)),
             old_logps=np.zeros((2, 2)),
             advantages=[1.0, 0.0],

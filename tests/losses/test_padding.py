@@ -36,7 +36,7 @@ CONFIGS = [
     dict(name="gspo", clip_low=0.05, clip_high=0.08, kl_coef=0.03),
     dict(name="gspo", agg="token-mean", kl_coef=0.03, kl_estimator="k1"),
     dict(name="espo", vocab_size=50, alpha=1.0, top_frac=0.4, kl_coef=0.05),
-    dict(name="espo", vocab_size=50, alpha=1.0, num_groups=3, quantile_scope="batch"),
+    dict(name="espo", vocab_size=50, alpha=1.0, num_entropy_groups=3, quantile_scope="batch"),
     dict(name="espo", vocab_size=50, alpha=1.0, espo_ratio="literal", kl_coef=0.05),
     dict(name="cispo", clip_low=0.3, clip_high=0.2, kl_coef=0.05),
     dict(name="cispo", agg="seq-mean-token-mean"),
