@@ -133,7 +133,7 @@ class LossConfig:
         errors.require(
             self, self.agg is None or self.agg in AGG_MODES, "agg", f"None or one of {AGG_MODES}"
         )
-        for field in ("clip_low", "clip_high"):
+        for field in ("clip_low", "clip_high", "rollout_rs_low", "rollout_rs_high"):
             value = getattr(self, field)
             errors.require(
                 self,
@@ -208,16 +208,9 @@ class LossConfig:
             f"one of {correction.RS_MODES}",
         )
         for field in ("rollout_rs_low", "rollout_rs_high"):
-            value = getattr(self, field)
             errors.require(
                 self,
-                value is None or (errors.is_real(value) and value >= 0),
-                field,
-                "None or a float >= 0",
-            )
-            errors.require(
-                self,
-                value is None or self.rollout_rs != "none",
+                getattr(self, field) is None or self.rollout_rs != "none",
                 field,
                 "None while rollout_rs='none' (set rollout_rs to reject)",
             )

@@ -49,14 +49,7 @@ class SftConfig:
                     errors.is_int(self.batch_size) and self.batch_size >= 1,
                     "an int >= 1",
                 ),
-                "learning_rate": (
-                    errors.is_real(self.learning_rate) and self.learning_rate > 0,
-                    "> 0",
-                ),
-                "warmup_steps": (
-                    errors.is_int(self.warmup_steps) and self.warmup_steps >= 0,
-                    ">= 0",
-                ),
+                **train_step.schedule_rules(self),
             },
         )
 

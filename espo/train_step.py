@@ -466,6 +466,15 @@ SCHEDULES = ("cosine", "constant")  # OptimizerConfig.schedule
 OLD_LOGPS = ("recompute", "sampler")  # TrainConfig.old_logps
 
 
+def schedule_rules(cfg) -> dict[str, tuple[bool, str]]:
+    """`errors.check` rules of a config's learning_rate and warmup_steps (the RL optimiser's and
+    the warm start's)."""
+    return {
+        "learning_rate": (errors.is_real(cfg.learning_rate) and cfg.learning_rate > 0, "> 0"),
+        "warmup_steps": (errors.is_int(cfg.warmup_steps) and cfg.warmup_steps >= 0, ">= 0"),
+    }
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """optax AdamW with linear warmup then cosine (or constant), global-norm clipped."""
@@ -484,14 +493,7 @@ class OptimizerConfig:
         errors.check(
             self,
             {
-                "learning_rate": (
-                    errors.is_real(self.learning_rate) and self.learning_rate > 0,
-                    "> 0",
-                ),
-                "warmup_steps": (
-                    errors.is_int(self.warmup_steps) and self.warmup_steps >= 0,
-                    ">= 0",
-                ),
+                **schedule_rules(self),
                 "schedule": (self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
                 "end_lr_ratio": (
                     errors.is_real(self.end_lr_ratio) and 0 <= self.end_lr_ratio <= 1,
