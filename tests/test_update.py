@@ -9,6 +9,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from espo import advantages, batching, losses, testing, train_step
@@ -184,3 +185,27 @@ def test_optimizer_schedule():
     )
     assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(0.5)
     assert float(lr(10)) == pytest.approx(1.0) and float(lr(110)) == pytest.approx(0.1)
+
+
+def test_optimizer_settings_at_non_default_values_match_adamw_by_hand():
+    """Every OptimizerConfig setting acts, checked against AdamW written out in NumPy: global
+    norm clipping, b1, b2, eps, decoupled weight decay (times the learning rate) and a constant
+    schedule after a linear warmup. Swapping b1 / b2, dropping the decay or the clip fails."""
+    cfg = dict(learning_rate=0.1, warmup_steps=2, schedule="constant", b1=0.5, b2=0.8,
+               eps=1e-3, weight_decay=0.3, max_grad_norm=1.5)  # fmt: skip
+    opt, lr = train_step.make_optimizer(total_steps=10, **cfg)
+    w = np.array([1.0, -2.0, 0.5])
+    grads = [np.array([3.0, 0.0, 4.0]), np.array([0.1, -0.2, 0.3]), np.array([-1.0, 2.0, 0.0])]
+    params, state = jnp.asarray(w), opt.init(jnp.asarray(w))
+    m, v = np.zeros(3), np.zeros(3)
+    for t, g in enumerate(grads, start=1):
+        updates, state = opt.update(jnp.asarray(g), state, params)
+        params = optax.apply_updates(params, updates)
+        g = g * min(1.0, 1.5 / np.linalg.norm(g))  # clip_by_global_norm
+        m = 0.5 * m + 0.5 * g
+        v = 0.8 * v + 0.2 * g**2
+        m_hat, v_hat = m / (1 - 0.5**t), v / (1 - 0.8**t)
+        step_lr = 0.1 * min((t - 1) / 2, 1.0)  # the count before this update: 0, 0.05, 0.1
+        w = w - step_lr * (m_hat / (np.sqrt(v_hat) + 1e-3) + 0.3 * w)
+        np.testing.assert_allclose(params, w, rtol=1e-5, atol=1e-6)
+    assert float(lr(100)) == pytest.approx(0.1)  # constant after the warmup
