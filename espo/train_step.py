@@ -197,6 +197,11 @@ class StepConfig:
     router_replay: bool = True
     old_logps: str = "recompute"  # "recompute" | "sampler"
     temperature: float = 1.0  # the rollout's; logits are scaled as the sampler did
+    # One update over the whole batch (one epoch, one mini-batch) with recomputed pi_old: pi_old
+    # IS the policy of that update, so its log-probs and entropies are the update's own forward
+    # (stop-gradient; the ratio is exactly 1, as TRL's num_iterations=1) and `prepare` runs no
+    # pi_old pass; the mismatch metrics come from the update (`train_step`).
+    fused_old_logps: bool = False
 
 
 def _routing(sc: StepConfig, router: types.RouterTrace) -> dict:
@@ -271,7 +276,13 @@ def _micro(layout: packing.Layout, m) -> _Micro:
 
 
 def prepare(
-    sc: StepConfig, params: dict, ref_params: dict | None, batch, layout: packing.Layout = None
+    sc: StepConfig,
+    params: dict,
+    ref_params: dict | None,
+    batch,
+    layout: packing.Layout = None,
+    *,
+    agreement: bool = True,
 ):
     """pi_old (and reference) log-probs, entropies, advantages and train-infer mismatch.
 
@@ -283,19 +294,32 @@ def prepare(
     tokens: k3 KL(sampler || trainer), the fraction with |dlogp| > ln 2, the router agreement
     of a FREE-routing trainer forward with the rollout's experts, and the sampler correction the
     loss will apply (`espo.correction`: is_weight_mean / max, is_clipped_frac, rs_masked_frac,
-    rs_masked_seq_frac) over the whole batch, whatever its micro-batching.
+    rs_masked_seq_frac) over the whole batch, whatever its micro-batching. `agreement=False`
+    skips the free-routing forward (the trainer measures router agreement every
+    `train.router_agreement_every` steps); with `sc.fused_old_logps` there is no pi_old pass
+    and the mismatch metrics come from the update instead.
     """
 
     def one(rows: _Rows):
-        old = _rows_logps(sc, params, rows, replay_missing="free")
-        free = transformer.forward(
-            sc.model, params, rows.tokens, attention_mask=rows.attention_mask, **rows.packed
-        )
-        agree = _expert_agreement(free.router.expert_ids, rows.router.expert_ids, rows.loss_mask)
-        ref = jnp.zeros_like(old.logps)
+        zeros = jnp.zeros(rows.tokens.shape, jnp.float32)  # [R, L]
+        if sc.fused_old_logps:  # pi_old is the update's own forward (see StepConfig)
+            logps, ents, unrecorded = zeros, zeros, jnp.zeros((), jnp.int32)
+        else:
+            old = _rows_logps(sc, params, rows, replay_missing="free")
+            logps, ents = old.logps, old.entropies
+            unrecorded = old.aux.num_unrecorded_routes.astype(jnp.int32)
+        agree = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        if agreement:
+            free = transformer.forward(
+                sc.model, params, rows.tokens, attention_mask=rows.attention_mask, **rows.packed
+            )
+            mask = rows.loss_mask
+            agree = _expert_agreement(free.router.expert_ids, rows.router.expert_ids, mask)
+            agree = (agree[0].astype(jnp.float32), agree[1].astype(jnp.int32))
+        ref = zeros
         if ref_params is not None:
             ref = _rows_logps(sc, ref_params, rows, replay_missing="free").logps
-        return old.logps, old.entropies, ref, agree, old.aux.num_unrecorded_routes
+        return logps, ents, ref, agree, unrecorded
 
     if layout is None:
         mbs = batching.split(batch, batch.num_rows // sc.micro_batch_size)
@@ -316,15 +340,6 @@ def prepare(
     logps = jax.lax.stop_gradient(logps)
     if sc.old_logps == "sampler":
         logps = batch.sampler_logps
-    m = batch.loss_mask
-    n = jnp.maximum(m.sum(), 1)
-    clamp = losses.LOG_RATIO_CLAMP  # the losses' clamp on log ratios, also for the metrics
-    d = jnp.where(m, jnp.clip(logps - batch.sampler_logps, -clamp, clamp), 0.0)  # trainer - sampler
-    k3 = jnp.where(m, jnp.expm1(d) - d, 0.0).sum() / n
-    extreme = jnp.where(m, jnp.abs(d) > jnp.log(2.0), False).sum() / n
-    fix = correction.correct(
-        sc.loss, old_logps=logps, sampler_logps=batch.sampler_logps, mask=batch.loss_mask
-    )
     adv = advantages.compute(
         batch.rewards,
         group_ids=batch.group_ids,
@@ -340,16 +355,29 @@ def prepare(
         advantages=adv.sequence_advantages,
         zvp_sign=adv.zvp_sign,
     )
-    metrics = {
-        "mismatch/k3_kl": k3,
-        "mismatch/extreme_token_frac": extreme,
-        "mismatch/abs_dlogp_mean": jnp.where(m, jnp.abs(d), 0.0).sum() / n,
-        "mismatch/router_agreement": agree.sum() / jnp.maximum(agree_n.sum(), 1),
-        "mismatch/unrecorded_routes": unrecorded.sum().astype(jnp.float32),
-        **{f"mismatch/{k}": v for k, v in fix.metrics.items()},
-        **adv.metrics,
-    }
+    metrics = dict(adv.metrics)
+    if agreement:
+        metrics["mismatch/router_agreement"] = agree.sum() / jnp.maximum(agree_n.sum(), 1)
+    if not sc.fused_old_logps:
+        metrics["mismatch/unrecorded_routes"] = unrecorded.sum().astype(jnp.float32)
+        metrics.update(mismatch_metrics(sc, logps, batch.sampler_logps, batch.loss_mask))
     return batch, metrics
+
+
+def mismatch_metrics(sc: StepConfig, logps, sampler_logps, mask) -> dict:
+    """Trainer (pi_old) against sampler log-probs on the loss tokens `mask`: k3 KL(sampler ||
+    trainer), the fraction with |dlogp| > ln 2, mean |dlogp|, and the sampler correction the
+    loss applies (`espo.correction`)."""
+    n = jnp.maximum(mask.sum(), 1)
+    clamp = losses.LOG_RATIO_CLAMP  # the losses' clamp on log ratios, also for the metrics
+    d = jnp.where(mask, jnp.clip(logps - sampler_logps, -clamp, clamp), 0.0)  # trainer - sampler
+    fix = correction.correct(sc.loss, old_logps=logps, sampler_logps=sampler_logps, mask=mask)
+    return {
+        "mismatch/k3_kl": jnp.where(mask, jnp.expm1(d) - d, 0.0).sum() / n,
+        "mismatch/extreme_token_frac": jnp.where(mask, jnp.abs(d) > jnp.log(2.0), False).sum() / n,
+        "mismatch/abs_dlogp_mean": jnp.where(mask, jnp.abs(d), 0.0).sum() / n,
+        **{f"mismatch/{k}": v for k, v in fix.metrics.items()},
+    }
 
 
 def _micro_loss(sc: StepConfig, params, mb, packed=None):
@@ -371,8 +399,11 @@ def _micro_loss(sc: StepConfig, params, mb, packed=None):
         tl = tl._replace(logps=packing.unpack(tl.logps, index))
         tl = tl._replace(entropies=packing.unpack(tl.entropies, index))
         loss_mask = mb.loss_mask & index[2]  # [n, T]
+    old_logps, old_entropies = mb.old_logps, mb.old_entropies
+    if sc.fused_old_logps:  # pi_old is this forward's policy: its values, no gradient
+        old_logps, old_entropies = jax.lax.stop_gradient((tl.logps, tl.entropies))
     pick = lambda source: select_entropies(
-        source, old=mb.old_entropies, sampler=mb.sampler_entropies, current=tl.entropies
+        source, old=old_entropies, sampler=mb.sampler_entropies, current=tl.entropies
     )
     adv = advantages.token_advantages(
         mb.advantages,
@@ -384,7 +415,7 @@ def _micro_loss(sc: StepConfig, params, mb, packed=None):
     out = losses.compute_loss(
         sc.loss,
         logps=tl.logps,
-        old_logps=mb.old_logps,
+        old_logps=old_logps,
         advantages=adv,
         mask=loss_mask,
         # ESPO groups by them; every loss reports entropy and gradient use per entropy group.
@@ -393,18 +424,25 @@ def _micro_loss(sc: StepConfig, params, mb, packed=None):
         finished=mb.finished,
         sampler_logps=mb.sampler_logps,
     )
+    if sc.fused_old_logps:  # what `prepare` measures otherwise (token means: _combine weighs them)
+        fused = mismatch_metrics(sc, old_logps, mb.sampler_logps, loss_mask)
+        fused["num_unrecorded_routes"] = tl.aux.num_unrecorded_routes.astype(jnp.float32)
+        fused["num_mismatch_tokens"] = loss_mask.astype(jnp.float32).sum()  # before rejection
+        out = out.replace(metrics={**out.metrics, **fused})
     # The router's aux loss weighted by this micro-batch's share of the denominator, so the
     # accumulated objective is (sum num + sum den * aux) / sum den: exact over micro-batches.
     return out.numerator + out.denominator * tl.aux.total, (out, tl.aux)
 
 
 def _combine(metrics: dict, weights: Array) -> dict:
-    """Per-micro-batch metrics [M] -> one value: counts summed, the rest weighted by tokens."""
+    """Per-micro-batch metrics [M] -> one value: counts summed, maxima (`*_max`) the largest,
+    the rest weighted by tokens."""
     total = jnp.maximum(weights.sum(), 1.0)
-    return {
-        k: v.sum() if k.startswith("num_") else (v * weights).sum() / total
-        for k, v in metrics.items()
-    }
+    one = lambda k, v: (
+        v.sum() if k.startswith("num_") else v.max() if k.endswith("_max")
+        else (v * weights).sum() / total
+    )  # fmt: skip
+    return {k: one(k, v) for k, v in metrics.items()}
 
 
 def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: TrainState, mini):
@@ -450,11 +488,18 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
     grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    skip = ("numerator", "denominator", "num_unrecorded_routes", "num_mismatch_tokens")
+    is_loss = lambda k: not k.startswith("mismatch/") and k not in skip
     metrics = {
         f"loss/{k}": v
         for k, v in _combine(per_micro, per_micro["num_tokens"]).items()
-        if k not in ("numerator", "denominator")
+        if is_loss(k)
     }
+    if sc.fused_old_logps:  # over the loss tokens before rejection, as `prepare` measures them
+        # (the correction's own means are weighted by those tokens too: exact for token means)
+        mismatch = {k: v for k, v in per_micro.items() if k.startswith("mismatch/")}
+        metrics.update(_combine(mismatch, per_micro["num_mismatch_tokens"]))
+        metrics["mismatch/unrecorded_routes"] = per_micro["num_unrecorded_routes"].sum()
     metrics["loss/loss"] = per_micro["numerator"].sum() / jnp.maximum(den, 1.0)
     metrics["optim/grad_norm"] = optax.global_norm(grads)
     metrics["optim/update_norm"] = optax.global_norm(updates)
@@ -530,6 +575,9 @@ class TrainConfig:
     espo_entropy: str = "old"
     rl_zvp_entropy: str = "current"
     log_every: int = 1
+    # Steps between measurements of mismatch/router_agreement (a free-routing forward of the
+    # whole batch); 0: never.
+    router_agreement_every: int = 1
 
     def __post_init__(self):
         errors.check(
@@ -561,6 +609,10 @@ class TrainConfig:
                 "router_replay": (isinstance(self.router_replay, bool), "True or False"),
                 "old_logps": (self.old_logps in OLD_LOGPS, f"one of {OLD_LOGPS}"),
                 "log_every": (errors.is_int(self.log_every) and self.log_every >= 1, "an int >= 1"),
+                "router_agreement_every": (
+                    errors.is_int(self.router_agreement_every) and self.router_agreement_every >= 0,
+                    "an int >= 0 (0: never)",
+                ),
             },
         )
 

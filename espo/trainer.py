@@ -177,12 +177,22 @@ class _Host:
         self.start_eval = d["start_eval"]
 
 
+def _check_routes(step: int, metrics: dict) -> None:
+    """Router replay is strict: a real token with no recorded expert to replay is an error."""
+    if metrics.get("mismatch/unrecorded_routes"):
+        raise RuntimeError(
+            f"step {step}: {metrics['mismatch/unrecorded_routes']} tokens had no recorded "
+            "expert to replay"
+        )
+
+
 def _model_dict(model_cfg) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(model_cfg), default=str))
 
 
-def step_config(s: config_lib.Settings, model_cfg, *, micro_batch_size: int):
-    """The `train_step.StepConfig` of settings `s` for `model_cfg`."""
+def step_config(s: config_lib.Settings, model_cfg, *, micro_batch_size: int, one_update=False):
+    """The `train_step.StepConfig` of settings `s` for `model_cfg`; `one_update`: a step makes
+    one optimiser update over its whole batch (pi_old is then that update's own forward)."""
     return train_step.StepConfig(
         model=model_cfg,
         loss=s.loss_config(model_cfg.vocab_size),
@@ -194,6 +204,7 @@ def step_config(s: config_lib.Settings, model_cfg, *, micro_batch_size: int):
         router_replay=s.train.router_replay,
         old_logps=s.train.old_logps,
         temperature=s.rollout.temperature or 1.0,
+        fused_old_logps=one_update and s.train.old_logps == "recompute",
     )
 
 
@@ -287,9 +298,17 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         total_steps=s.train.steps * s.train.ppo_epochs * (num_rows // mini_rows),
         **dataclasses.asdict(s.optimizer),
     )
-    sc = step_config(s, model_cfg, micro_batch_size=micro_rows)
+    one_update = s.train.ppo_epochs == 1 and mini_rows == num_rows
+    sc = step_config(s, model_cfg, micro_batch_size=micro_rows, one_update=one_update)
     rep = sharding.replicated(mesh)
-    prepare = jax.jit(functools.partial(train_step.prepare, sc), out_shardings=None)
+    # Two variants, compiled when first used: with the free-routing forward that measures
+    # mismatch/router_agreement (every train.router_agreement_every steps), and without.
+    prepares = {
+        agree: jax.jit(
+            functools.partial(train_step.prepare, sc, agreement=agree), out_shardings=None
+        )
+        for agree in (True, False)
+    }
     # The rollout engine's model: activations in rollout.dtype (e.g. bfloat16 while training in
     # float32), weights in FP8 with rollout.fp8; the train-inference mismatch this makes is
     # measured by `prepare` (mismatch/*) and corrected by router replay and loss.rollout_is.
@@ -413,13 +432,11 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                 if sc.packing_budget:  # planned on the host: a bounded set of packed shapes
                     layout = packing.layout(host_mask, budget=sc.packing_budget)
                 batch = sharding.put_batch(batch, mesh)
+                every = s.train.router_agreement_every
+                prepare = prepares[bool(every) and step % every == 0]
                 batch, prep = prepare(state.params, state.ref_params, batch, layout)
                 prep = jax.device_get(prep)
-            if prep["mismatch/unrecorded_routes"]:
-                raise RuntimeError(
-                    f"step {step}: {prep['mismatch/unrecorded_routes']} tokens had no recorded "
-                    "expert to replay"
-                )
+            _check_routes(step, prep)
             with timer.phase("update"):
                 step_metrics = []
                 for mini in batching.minibatches(
@@ -431,6 +448,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                     step_metrics.append(m)
                 step_metrics = jax.device_get(step_metrics)
             out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
+            _check_routes(step, out)  # one update over the batch: pi_old's forward was its own
             out.update({k: float(v) for k, v in prep.items()})
             out.update(fill.metrics)
             out.update(gen.metrics(fill.batch))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 
 import chex
@@ -209,3 +210,41 @@ def test_optimizer_settings_at_non_default_values_match_adamw_by_hand():
         w = w - step_lr * (m_hat / (np.sqrt(v_hat) + 1e-3) + 0.3 * w)
         np.testing.assert_allclose(params, w, rtol=1e-5, atol=1e-6)
     assert float(lr(100)) == pytest.approx(0.1)  # constant after the warmup
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "micro, loss", [(N, {}), (2, CORRECTION)], ids=["one-micro-batch", "micro-batches+tis"]
+)
+def test_one_update_takes_pi_old_from_its_own_forward(micro, loss):
+    """A step of one update over its whole batch (`fused_old_logps`): `prepare` runs no pi_old
+    pass, the update takes pi_old's log-probs and entropies from its own forward (stop-gradient)
+    and reports the mismatch; loss, gradient, update and mismatch metrics equal the recomputed
+    path's (whose pi_old is a separate forward of the same params), also over micro-batches and
+    with sampler correction rejecting tokens."""
+    batch, params = _batch(4)
+    sc = _sc(micro, name="espo" if not loss else "grpo", **loss)
+    fused = dataclasses.replace(sc, fused_old_logps=True)
+    prep = lambda sc, agree: jax.jit(
+        functools.partial(train_step.prepare, sc, agreement=agree)
+    )(params, None, batch)  # fmt: skip
+    (b_re, m_re), (b_fu, m_fu) = prep(sc, True), prep(fused, False)
+    assert "mismatch/k3_kl" not in m_fu and "mismatch/router_agreement" not in m_fu
+    np.testing.assert_array_equal(b_fu.advantages, b_re.advantages)
+    new_re, u_re = _update(sc, params, b_re)
+    new_fu, u_fu = _update(fused, params, b_fu)
+    chex.assert_trees_all_close(new_fu.params, new_re.params, atol=2e-6, rtol=1e-5)
+    for k in ("loss/loss", "optim/grad_norm", "loss/clip_frac"):
+        np.testing.assert_allclose(u_fu[k], u_re[k], rtol=1e-5, atol=1e-6)
+    # Token means over the loss tokens and maxima combine exactly over micro-batches; the
+    # correction's means over kept tokens or sequences only approximately (token-weighted).
+    exact = ("k3_kl", "extreme_token_frac", "abs_dlogp_mean", "is_weight_max", "rs_masked_frac")
+    for k in ("unrecorded_routes", *exact):
+        if f"mismatch/{k}" in m_re:
+            want = m_re[f"mismatch/{k}"]
+            np.testing.assert_allclose(u_fu[f"mismatch/{k}"], want, rtol=1e-4, atol=1e-6, err_msg=k)
+    assert set(m_re) - set(m_fu) - {"mismatch/router_agreement"} == {
+        k for k in u_fu if k.startswith("mismatch/")
+    }
+    # The ratio is exactly 1 (pi_old is this forward): no PPO KL at all.
+    assert float(u_fu["loss/ppo_kl"]) == 0.0
