@@ -48,21 +48,27 @@ from espo.rewards import model_rewards
 ConfigError = errors.ConfigError  # the error every section raises, naming its --config key
 
 
+# The config section -> the dataclass it becomes (curriculum: a list of espo.curriculum.Stage).
+_SECTIONS: dict[str, type] = {
+    "model": model_config.ModelConfig, "data": data_examples.DataConfig,
+    "rollout": rollout.RolloutConfig, "train": train_step.TrainConfig,
+    "optimizer": train_step.OptimizerConfig, "sft": sft.SftConfig,
+    "eval": evaluate.EvalConfig, "checkpoint": checkpoint.CheckpointConfig,
+    "loss": losses.LossConfig, "advantage": advantages.AdvantageConfig,
+    "zve": zero_variance.ZveConfig, "reward": model_rewards.RewardConfig,
+    "mesh": sharding.MeshConfig, "distributed": sharding.DistributedConfig,
+}  # fmt: skip
+
+
 def sections() -> dict[str, type]:
     """The config section -> the dataclass it becomes (curriculum: a list of Stage dicts)."""
-    return {
-        "model": model_config.ModelConfig, "data": data_examples.DataConfig,
-        "rollout": rollout.RolloutConfig, "train": train_step.TrainConfig,
-        "optimizer": train_step.OptimizerConfig, "sft": sft.SftConfig,
-        "eval": evaluate.EvalConfig, "checkpoint": checkpoint.CheckpointConfig,
-        "loss": losses.LossConfig, "advantage": advantages.AdvantageConfig,
-        "zve": zero_variance.ZveConfig, "reward": model_rewards.RewardConfig,
-        "mesh": sharding.MeshConfig, "distributed": sharding.DistributedConfig,
-    }  # fmt: skip
+    return dict(_SECTIONS)
 
 
-def build(cls, section: Mapping[str, Any] | ml_collections.ConfigDict, key: str, **extra):
-    """`cls(**section, **extra)`; an InvalidValue comes out as a ConfigError of `--config.<key>`."""
+def build(key: str, section: Mapping[str, Any] | ml_collections.ConfigDict, **extra):
+    """Section `key`'s dataclass from `section` (and `extra`); an InvalidValue comes out as a
+    ConfigError of `--config.<key>`."""
+    cls = _SECTIONS[key]
     fields = dict(section.to_dict() if hasattr(section, "to_dict") else section)
     fields.update(extra)
     try:
@@ -120,14 +126,14 @@ class Settings:
             curr = curriculum.Curriculum.from_config(stages)
         except errors.InvalidValue as e:
             raise e.moved(f"--config.{e.where}", ConfigError) from None
-        ev = build(evaluate.EvalConfig, c.eval, "eval", max_new_tokens=curr.max_new_tokens)
+        ev = build("eval", c.eval, max_new_tokens=curr.max_new_tokens)
         if ev.split == "dev" and data.get("eval_path"):
             raise ConfigError(
                 "--config.eval", "split", "dev",
                 "'test' with data.eval_path: that file is the test set, whole; the dev half is "
                 "cut from a held-out set split by data.eval_fraction",
             )  # fmt: skip
-        train = build(train_step.TrainConfig, c.train, "train")
+        train = build("train", c.train)
         longest = max_prompt_length + curr.max_new_tokens
         if train.packing and train.max_tokens_per_micro_batch < longest:
             raise ConfigError(
@@ -136,7 +142,7 @@ class Settings:
                 "train.packing (a packed micro-batch holds whole sequences)",
             )  # fmt: skip
         loss = dict(c.loss.to_dict())
-        build(losses.LossConfig, loss, "loss", vocab_size=model.get("vocab_size") or 2)
+        build("loss", loss, vocab_size=model.get("vocab_size") or 2)
         # One tie tolerance (zve.atol) for the optimiser stage and the advantage's zero-variance
         # groups; RL-ZVP is zve.mode's choice.
         zve_mode = zero_variance.ZVE_MODES.get(c.zve.mode, zero_variance.ZveMode())
@@ -146,27 +152,25 @@ class Settings:
             workdir=c.workdir,
             hf_path=hf_path,
             init_from=init_from,
-            model=None if hf_path else build(model_config.ModelConfig, model, "model"),
+            model=None if hf_path else build("model", model),
             # The data's own seed (data.seed; the run's seed when the config has none): the
             # examples and the held-out set stay the same when the run's seed changes.
-            data=build(data_examples.DataConfig, {"seed": c.seed, **data}, "data"),
+            data=build("data", {"seed": c.seed, **data}),
             max_prompt_length=max_prompt_length,
-            rollout=build(rollout.RolloutConfig, c.rollout, "rollout"),
+            rollout=build("rollout", c.rollout),
             train=train,
-            optimizer=build(train_step.OptimizerConfig, c.optimizer, "optimizer"),
-            sft=build(sft.SftConfig, c.sft, "sft"),
+            optimizer=build("optimizer", c.optimizer),
+            sft=build("sft", c.sft),
             curriculum=curr,
             eval=ev,
-            checkpoint=build(checkpoint.CheckpointConfig, c.checkpoint, "checkpoint"),
+            checkpoint=build("checkpoint", c.checkpoint),
             loss=loss,
-            advantage=build(advantages.AdvantageConfig, adv, "advantage"),
-            zve=build(zero_variance.ZveConfig, c.zve, "zve"),
-            reward=build(model_rewards.RewardConfig, c.reward, "reward"),
-            mesh=build(sharding.MeshConfig, c.get("mesh") or {}, "mesh"),
-            distributed=build(
-                sharding.DistributedConfig, c.get("distributed") or {}, "distributed"
-            ),
+            advantage=build("advantage", adv),
+            zve=build("zve", c.zve),
+            reward=build("reward", c.reward),
+            mesh=build("mesh", c.get("mesh") or {}),
+            distributed=build("distributed", c.get("distributed") or {}),
         )
 
     def loss_config(self, vocab_size: int) -> losses.LossConfig:
-        return build(losses.LossConfig, self.loss, "loss", vocab_size=vocab_size)
+        return build("loss", self.loss, vocab_size=vocab_size)

@@ -427,26 +427,32 @@ class PassRateHistory:
 # ---------------------------------------------------------------- stage 4: optimisation
 
 
-# field -> (is valid given (config, value), what is valid); checked in ZveConfig.__post_init__.
-_ZVE_RULES: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
-    "mode": (lambda c, v: v in ZVE_MODES, f"one of {tuple(ZVE_MODES)}"),
-    "max_resample_rounds": (lambda c, v: errors.is_int(v) and v >= 0, "an int >= 0"),
-    "oversample": (lambda c, v: v >= 1.0, "a float >= 1"),
-    "max_oversample": (lambda c, v: v >= c.oversample, "a float >= oversample"),
-    "max_carry_over_steps": (lambda c, v: errors.is_int(v) and v >= 0, "an int >= 0"),
-    "atol": (lambda c, v: v >= 0, "a float >= 0"),
-    "prefilter": (lambda c, v: v in PREFILTER_MODES, f"one of {PREFILTER_MODES}"),
-    "prefilter_low": (lambda c, v: 0 <= v < 1, "[0, 1)"),
-    "prefilter_high": (lambda c, v: c.prefilter_low < v <= 1, "(prefilter_low, 1]"),
-    "prefilter_downweight": (lambda c, v: 0 <= v <= 1, "[0, 1]"),
-    "group_size": (lambda c, v: errors.is_int(v) and v >= 1, "an int >= 1"),
-    "max_group_size": (lambda c, v: errors.is_int(v) and v >= c.group_size, "an int >= group_size"),
-    "zvp_target": (lambda c, v: 0 < v < 1, "(0, 1)"),
-    "rollout_budget": (
-        lambda c, v: v is None or (errors.is_int(v) and v >= 1),
-        "None or an int >= 1",
-    ),
-}
+def _zve_rules(c: ZveConfig) -> dict[str, tuple]:
+    """field -> (is it valid, what is valid) of `c` for `errors.check`; lambdas are evaluated in
+    order, so a rule may read a field checked before it (a str where a number belongs: a
+    TypeError, invalid)."""
+    is_int = errors.is_int
+    return {
+        "mode": (lambda: c.mode in ZVE_MODES, f"one of {tuple(ZVE_MODES)}"),
+        "max_resample_rounds": (is_int(c.max_resample_rounds) and c.max_resample_rounds >= 0,
+                                "an int >= 0"),
+        "oversample": (lambda: c.oversample >= 1.0, "a float >= 1"),
+        "max_oversample": (lambda: c.max_oversample >= c.oversample, "a float >= oversample"),
+        "max_carry_over_steps": (is_int(c.max_carry_over_steps) and c.max_carry_over_steps >= 0,
+                                 "an int >= 0"),
+        "atol": (lambda: c.atol >= 0, "a float >= 0"),
+        "prefilter": (lambda: c.prefilter in PREFILTER_MODES, f"one of {PREFILTER_MODES}"),
+        "prefilter_low": (lambda: 0 <= c.prefilter_low < 1, "[0, 1)"),
+        "prefilter_high": (lambda: c.prefilter_low < c.prefilter_high <= 1, "(prefilter_low, 1]"),
+        "prefilter_downweight": (lambda: 0 <= c.prefilter_downweight <= 1, "[0, 1]"),
+        "group_size": (is_int(c.group_size) and c.group_size >= 1, "an int >= 1"),
+        "max_group_size": (lambda: is_int(c.max_group_size) and c.max_group_size >= c.group_size,
+                           "an int >= group_size"),
+        "zvp_target": (lambda: 0 < c.zvp_target < 1, "(0, 1)"),
+        "rollout_budget": (c.rollout_budget is None
+                           or (is_int(c.rollout_budget) and c.rollout_budget >= 1),
+                           "None or an int >= 1"),
+    }  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -469,10 +475,7 @@ class ZveConfig:
     rollout_budget: int | None = None  # rollout stage: cap on sum(G) per batch; None: no cap
 
     def __post_init__(self) -> None:
-        rules = _ZVE_RULES.items()
-        errors.check(
-            self, {f: (lambda f=f, ok=ok: ok(self, getattr(self, f)), v) for f, (ok, v) in rules}
-        )
+        errors.check(self, _zve_rules(self))
 
     def group_sizes(self, pass_rates: Sequence[float | None] | np.ndarray) -> np.ndarray:
         """The rollout-stage G of each prompt (NaN / None: unknown prompt, gets group_size)."""
