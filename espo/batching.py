@@ -1,11 +1,13 @@
-"""The host -> device step: rollout rows -> one fixed-shape `TrainBatch`, and its mini-batches.
+"""The host -> device step: rollout rows -> one `TrainBatch`, and its mini-batches.
 
-Every optimiser batch has the same shape, [N, T] with N = prompts_per_step * max G (rounded up to
-whole mini-batches) and T = max_prompt_length + the generation bucket of the largest budget, so the
-jitted steps compile once: rows the ZVE stage did not fill are padding (`group_ids` -1,
-`valid` False, no loss token). Prompts are left-padded to `max_prompt_length` and completions
-right-padded; the router trace is padded with -1 the same way, so position t of every array is
-token t (the `espo.train_step` alignment). Rows arrive as a `zero_variance.Groups` table (the
+Rows are built at the run's fixed widths, [N, T] with N = prompts_per_step * max G (rounded up to
+whole mini-batches) and T = max_prompt_length + the generation bucket of the largest budget: rows
+the ZVE stage did not fill are padding (`group_ids` -1, `valid` False, no loss token). `trim`
+then drops the columns every row pads, to a prompt and a generation bucket, so the jitted steps
+compile once per bucket pair and a step computes the lengths it has, not the budgets.
+Prompts are left-padded to `max_prompt_length` and completions right-padded; the router trace
+is padded with -1 the same way, so position t of every array is token t (the `espo.train_step`
+alignment). Rows arrive as a `zero_variance.Groups` table (the
 batch of `zero_variance.fill_batch`) whose payload is `rollout_rows` of each rollout, already in
 these fixed widths, so rows of different generate calls and steps concatenate.
 """
@@ -150,6 +152,38 @@ def make_train_batch(groups: zero_variance.Groups, *, num_rows: int, pad_id: int
         advantages=np.zeros(num_rows, np.float32),
         zvp_sign=np.zeros(num_rows, np.int32),
     )
+
+
+# TrainBatch fields [N, T] (the router trace, [N, L, T, K], is trimmed on its axis 2).
+_TIME_FIELDS = (
+    "tokens", "attention_mask", "loss_mask", "sampler_logps", "sampler_entropies", "old_logps",
+    "old_entropies", "ref_logps",
+)  # fmt: skip
+
+
+def trim(batch: TrainBatch, *, prompt_length: int, buckets) -> TrainBatch:
+    """`batch` (host arrays) without the columns that are padding in every row, kept to buckets.
+
+    Rows are laid out at the run's fixed widths (prompts left-padded to `prompt_length` = Tp,
+    completions right-padded), so a step whose longest prompt has p tokens and longest
+    completion g tokens computes only columns [Tp - bp, Tp + bg), bp = the prompt bucket of p and
+    bg = the generation bucket of g (`scheduling.LengthBuckets`): a bounded set of compiled
+    shapes, as the sampler's. Positions count real tokens (`transformer` derives them from the
+    mask), so the forward of every real token is unchanged; only sums over padding shrink.
+    """
+    mask = np.asarray(batch.attention_mask)  # [N, T]
+    Tp, T = prompt_length, mask.shape[1]
+    real = mask.any(0)  # [T]
+    p = Tp - int(np.argmax(real[:Tp])) if real[:Tp].any() else 0
+    g = int(np.nonzero(real[Tp:])[0].max()) + 1 if real[Tp:].any() else 1
+    bp = min(buckets.prompt_bucket(p), Tp)
+    bg = min(buckets.generation_bucket(g), T - Tp)
+    cols = slice(Tp - bp, Tp + bg)
+    if (bp, bg) == (Tp, T - Tp):
+        return batch
+    fields = {k: np.asarray(getattr(batch, k))[:, cols] for k in _TIME_FIELDS}
+    router = jax.tree.map(lambda x: np.asarray(x)[:, :, cols], batch.router)
+    return batch.replace(router=router, **fields)
 
 
 def split(tree, num_splits: int):

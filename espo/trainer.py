@@ -287,6 +287,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         s.max_prompt_length,
         _buckets(s.max_prompt_length, curr.max_new_tokens).generation_bucket(curr.max_new_tokens),
     )
+    widths = _buckets(Tp, Tg)  # the update's compiled widths (`batching.trim`)
 
     # ---- jitted steps: explicit shardings, donated state ----------------------------------------
     for rows, what in (
@@ -428,6 +429,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                 )
             with timer.phase("old_logps"):
                 batch = batching.make_train_batch(fill.batch, num_rows=num_rows, pad_id=tok.pad_id)
+                batch = batching.trim(batch, prompt_length=Tp, buckets=widths)
                 layout, host_mask = None, batch.attention_mask  # host arrays, every process
                 if sc.packing_budget:  # planned on the host: a bounded set of packed shapes
                     layout = packing.layout(host_mask, budget=sc.packing_budget)

@@ -248,3 +248,28 @@ def test_one_update_takes_pi_old_from_its_own_forward(micro, loss):
     }
     # The ratio is exactly 1 (pi_old is this forward): no PPO KL at all.
     assert float(u_fu["loss/ppo_kl"]) == 0.0
+
+
+@pytest.mark.slow
+def test_trimmed_batch_makes_the_same_update():
+    """`batching.trim` drops the columns every row pads, to buckets (prompts <= 3 tokens of a
+    16-wide prompt slot: bucket 8; completions <= 5 of 16: bucket 8), and the update is the one
+    of the full-width batch: positions count real tokens, the trace moves with its tokens."""
+    from espo import trainer
+
+    rng = np.random.default_rng(3)
+    lengths = (rng.integers(1, 4, N), rng.integers(1, 6, N))
+    batch, params = testing.random_train_batch(
+        CFG, num_rows=N, prompt_length=16, generation_length=16, lengths=lengths
+    )
+    trimmed = batching.trim(batch, prompt_length=16, buckets=trainer._buckets(16, 16))
+    assert trimmed.tokens.shape == (N, 16) and trimmed.router.expert_ids.shape[2] == 16
+    assert trimmed.attention_mask.sum() == batch.attention_mask.sum()
+    assert trimmed.loss_mask.sum() == batch.loss_mask.sum()
+    sc = _sc(4)
+    full, m_full = _update(sc, params, batch)
+    short, m_short = _update(sc, params, trimmed)
+    chex.assert_trees_all_close(full.params, short.params, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(m_full["loss/loss"], m_short["loss/loss"], rtol=1e-5)
+    # Nothing left to drop: the same batch back.
+    assert batching.trim(trimmed, prompt_length=8, buckets=trainer._buckets(8, 8)) is trimmed
