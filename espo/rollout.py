@@ -66,6 +66,9 @@ class RolloutConfig:
     dtype: str = ""  # sampler activation / matmul dtype; "" = the model's
     max_chunk_size: int = 64
     schedule: str = "length_aware"
+    # length_aware: a re-prefilled position costs this many decode slot-steps (CPU ~1, GPU less);
+    # a chunk ends below its rows' longest predicted length only when that saves more.
+    prefill_cost: float = 1.0
     overlap_rewards: bool = True  # score finished samples while later chunks decode
     detokenize: str = "workers"  # where completions are detokenized: workers | host (serial)
     reward_workers: int = 2
@@ -86,6 +89,7 @@ class RolloutConfig:
                     "an int >= 1",
                 ),
                 "schedule": (self.schedule in SCHEDULES, " | ".join(SCHEDULES)),
+                "prefill_cost": (num(self.prefill_cost) and self.prefill_cost >= 0, ">= 0"),
                 "overlap_rewards": (isinstance(self.overlap_rewards, bool), "True or False"),
                 "detokenize": (self.detokenize in ("workers", "host"), "workers or host"),
                 "reward_workers": (
@@ -110,6 +114,7 @@ class RolloutSpec:
     schedule: str = "length_aware"  # "length_aware" (predicted length) or "fifo" (baseline)
     num_shards: int = 1  # data-parallel shards the plan balances chunks over (1 on one device)
     overlap_rewards: bool = True  # False: score after the last chunk decodes (the baseline)
+    prefill_cost: float = 1.0  # a re-prefilled position in decode slot-steps (`plan_chunks`)
 
     def __post_init__(self):
         checks = {
@@ -127,6 +132,10 @@ class RolloutSpec:
             ),
             "schedule": (self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
             "num_shards": (_is_int(self.num_shards) and self.num_shards >= 1, "an int >= 1"),
+            "prefill_cost": (
+                errors.is_real(self.prefill_cost) and self.prefill_cost >= 0,
+                "a number >= 0",
+            ),
             "overlap_rewards": (isinstance(self.overlap_rewards, bool), "True or False"),
         }
         errors.check(self, checks)
@@ -307,8 +316,9 @@ def _first_wave(step: _Step, predictor: scheduling.LengthPredictor) -> list[sche
     if config.schedule == "fifo":
         return scheduling.plan_fifo(step.requests, **config.plan_kwargs())
     return scheduling.plan_chunks(
-        step.requests, predictor_or_predictions=predictor, **config.plan_kwargs()
-    )
+        step.requests, predictor_or_predictions=predictor, prefill_cost=config.prefill_cost,
+        **config.plan_kwargs(),
+    )  # fmt: skip
 
 
 def _dispatch(

@@ -145,6 +145,10 @@ class Chunk:
     budget: int  # a row stops at this total generated length: min(gen bucket, max_new_tokens)
     batch_size: int  # padded row count (a batch bucket)
     cost: float  # predicted work, for balancing: batch_size * (prompt_bucket + expected steps)
+    # The plan's prediction for budgeting below the longest predicted row (`plan_chunks`): decode
+    # slot-steps saved, and the re-prefill it costs (positions x prefill_cost); 0 when not split.
+    predicted_saving: float = 0.0
+    predicted_reprefill: float = 0.0
 
     def __post_init__(self):
         n, starts = len(self.request_indices), self.start_lengths
@@ -232,9 +236,10 @@ class LengthPredictor:
                 c = self._cells.get(cell, [0.0, 0.0, 0.0, 0])  # [sum mean, sum max, weight, count]
                 self._cells[cell] = [fd * c[0] + mean, fd * c[1] + top, fd * c[2] + 1, c[3] + 1]
 
-    def predict(self, requests: Sequence[Request]) -> np.ndarray:
-        """float64 [N]: the generated length to budget for each request."""
-        column, out = ("mean", "max").index(self.budget_statistic), []
+    def predict(self, requests: Sequence[Request], *, statistic: str | None = None) -> np.ndarray:
+        """float64 [N]: the generated length to budget for each request (`statistic`, "mean"
+        or "max"; None: `budget_statistic`)."""
+        column, out = ("mean", "max").index(statistic or self.budget_statistic), []
         for r in requests:
             entry = self._prompts.get(str(r.prompt_id))
             if entry is None:  # the first trusted fallback cell, else default_length
@@ -280,10 +285,40 @@ class _Row(NamedTuple):
     target: float  # generated length to budget for (clamped to max_new_tokens)
     start: int  # tokens already generated
     prompt_length: int
+    upper: float = 0.0  # the longest it may run (the predictor's max EMA); <= target: unknown
 
 
-def _make_chunks(rows, lpt, buckets, max_chunk_size, max_new_tokens, num_shards) -> list[Chunk]:
-    """Cuts ordered rows into consecutive chunks, sizes their shapes and assigns shards."""
+def _split_or_not(part, target, buckets, max_chunk_size, max_new_tokens, prefill_cost):
+    """(the target to budget `part` for, predicted saving, predicted re-prefill).
+
+    Budgeting at the rows' target (their mean) below the longest they may run (`upper`, their
+    max) ends the chunk early and continues the rows predicted past it from their prefixes;
+    budgeting at the upper lets the whole chunk decode to the end. The split saves the decode
+    slot-steps of the rows that stop, (batch - continued batch) x (upper - budget), and costs
+    the continued rows' re-prefill, continued batch x (prompt bucket + next generation bucket)
+    x `prefill_cost`. Split only when the saving exceeds the cost.
+    """
+    upper = min(max(r.upper for r in part), max_new_tokens)
+    budget = min(buckets.generation_bucket(target), max_new_tokens)
+    if upper <= budget or buckets.generation_bucket(upper) == buckets.generation_bucket(target):
+        return target, 0.0, 0.0
+    over = sum(r.upper > budget for r in part)
+    size = lambda n: buckets.batch_bucket(n) if buckets.batch_buckets else max_chunk_size
+    gens = buckets.generation_buckets
+    next_bucket = gens[min(bisect.bisect_right(gens, budget), len(gens) - 1)]
+    prompt = buckets.prompt_bucket(max(r.prompt_length for r in part))
+    saving = (size(len(part)) - size(over)) * (upper - budget)
+    reprefill = size(over) * (prompt + next_bucket) * prefill_cost
+    if saving > reprefill:
+        return target, float(saving), float(reprefill)
+    return upper, 0.0, 0.0
+
+
+def _make_chunks(
+    rows, lpt, buckets, max_chunk_size, max_new_tokens, num_shards, prefill_cost=None
+) -> list[Chunk]:
+    """Cuts ordered rows into consecutive chunks, sizes their shapes and assigns shards;
+    with a `prefill_cost`, each chunk's budget is `_split_or_not`'s."""
     buckets.check_max_new_tokens(max_new_tokens)
     largest = max_chunk_size if buckets.batch_buckets is None else buckets.batch_buckets[-1]
     if not (1 <= max_chunk_size <= largest and num_shards >= 1):
@@ -291,7 +326,11 @@ def _make_chunks(rows, lpt, buckets, max_chunk_size, max_new_tokens, num_shards)
     chunks = []
     for lo in range(0, len(rows), max_chunk_size):
         part = rows[lo : lo + max_chunk_size]
-        target = min(max(r.target for r in part), max_new_tokens)
+        target, saving, reprefill = min(max(r.target for r in part), max_new_tokens), 0.0, 0.0
+        if prefill_cost is not None:
+            target, saving, reprefill = _split_or_not(
+                part, target, buckets, max_chunk_size, max_new_tokens, prefill_cost
+            )
         generation_bucket = buckets.generation_bucket(target)
         budget = min(generation_bucket, max_new_tokens)
         prompt_bucket = buckets.prompt_bucket(max(r.prompt_length for r in part))
@@ -307,6 +346,8 @@ def _make_chunks(rows, lpt, buckets, max_chunk_size, max_new_tokens, num_shards)
                 budget=budget,
                 batch_size=batch_size,
                 cost=float(batch_size * (prompt_bucket + steps)),
+                predicted_saving=saving,
+                predicted_reprefill=reprefill,
             )
         )
     if lpt:
@@ -324,6 +365,7 @@ def plan_chunks(
     max_chunk_size: int,
     max_new_tokens: int,
     num_shards: int = 1,
+    prefill_cost: float = 1.0,
 ) -> list[Chunk]:
     """The length-aware plan for one step's requests.
 
@@ -332,19 +374,33 @@ def plan_chunks(
     chunks of max_chunk_size (the last one the shortest). Each chunk gets the smallest generation
     bucket that fits its longest prediction, the prompt bucket of its longest prompt, a padded
     batch size, and a shard by LPT on its cost.
+
+    With a `LengthPredictor` budgeting at the mean, a chunk whose rows may run longer (their max
+    EMA) is budgeted at the mean only when the decode slot-steps that saves exceed the re-prefill
+    of the rows it continues, at `prefill_cost` decode slot-steps a position (`_split_or_not`; on
+    CPU a prefill position costs about a decode slot-step, on accelerators far less); otherwise
+    at the longest it may run. Each chunk records both predictions (`Chunk.predicted_saving`,
+    `predicted_reprefill`). Explicit predictions are budgeted as given.
     """
+    upper = None
     if isinstance(predictor_or_predictions, LengthPredictor):
         pred = predictor_or_predictions.predict(requests)
+        upper = predictor_or_predictions.predict(requests, statistic="max")
     else:
         pred = np.asarray(predictor_or_predictions, np.float64)
     if pred.shape != (len(requests),) or not np.all(pred >= 0):  # +inf: budget max_new_tokens
         raise errors.InvalidValue("", "predictions", pred, f"{len(requests)} lengths >= 0")
+    if not (errors.is_real(prefill_cost) and prefill_cost >= 0):
+        raise errors.InvalidValue("", "prefill_cost", prefill_cost, "a number >= 0")
     rows = [
-        _Row(i, min(float(p), max_new_tokens), 0, r.prompt_length)
-        for i, (r, p) in enumerate(zip(requests, pred, strict=True))
+        _Row(i, min(float(p), max_new_tokens), 0, r.prompt_length, 0.0 if upper is None else u)
+        for i, (r, p, u) in enumerate(
+            zip(requests, pred, pred if upper is None else upper, strict=True)
+        )
     ]
     rows.sort(key=lambda r: (-r.target, -r.prompt_length, r.index))
-    return _make_chunks(rows, True, buckets, max_chunk_size, max_new_tokens, num_shards)
+    cost = None if upper is None else prefill_cost
+    return _make_chunks(rows, True, buckets, max_chunk_size, max_new_tokens, num_shards, cost)
 
 
 def continuation_plan(
@@ -479,11 +535,15 @@ def shard_loads(records: Sequence[ChunkRecord], *, num_shards: int) -> np.ndarra
 
 
 def schedule_metrics(records: Sequence[ChunkRecord], *, num_shards: int = 1) -> dict[str, float]:
-    """Scalars to log: padding waste (with and without re-prefill), re-prefill positions, useful
-    tokens, chunk runs, compiled shapes used and the shard imbalance max load / mean load (1 is
-    perfect balance; num_shards: all work on one shard)."""
+    """Scalars to log: the plan's predicted saving and re-prefill cost of budgeting below the
+    longest predicted rows (decode slot-steps), padding waste (with and without re-prefill),
+    re-prefill positions, useful tokens, chunk runs, compiled shapes used and the shard imbalance
+    max load / mean load (1 is perfect balance; num_shards: all work on one shard)."""
     loads = shard_loads(records, num_shards=num_shards)
+    first = [r.chunk for r in records if not any(r.chunk.start_lengths)]  # the planned wave
     return dict(
+        predicted_saving=float(sum(c.predicted_saving for c in first)),
+        predicted_reprefill=float(sum(c.predicted_reprefill for c in first)),
         padding_waste=padding_waste(records),
         decode_padding_waste=padding_waste(records, reprefill=False),
         reprefill_positions=float(reprefill_positions(records)),

@@ -508,6 +508,7 @@ class _Generator:
             buckets=_buckets(s.max_prompt_length, stage.max_new_tokens),
             max_chunk_size=s.rollout.max_chunk_size,
             schedule=s.rollout.schedule,
+            prefill_cost=s.rollout.prefill_cost,
             overlap_rewards=s.rollout.overlap_rewards,
         )
         r = s.reward

@@ -277,6 +277,8 @@ def test_simulate_continues_a_long_row_bucket_by_bucket():
     assert scheduling.padding_waste(records, reprefill=False) == pytest.approx(1 - 340 / 600)
     assert scheduling.useful_tokens(records) == 340
     assert scheduling.schedule_metrics(records) == dict(
+        predicted_saving=0.0,  # explicit predictions: budgeted as given, no split decided
+        predicted_reprefill=0.0,
         padding_waste=pytest.approx(1 - 340 / 2392),
         decode_padding_waste=pytest.approx(1 - 340 / 600),
         reprefill_positions=1792.0,
@@ -442,9 +444,10 @@ def _heavy_tailed_step(seed):
 
 
 def test_length_aware_wastes_less_than_fifo_counting_reprefill():
-    """On the heavy-tailed step (seed 0): decode slots alone, length-aware wastes 0.28 vs FIFO's
-    0.63 (0.44x); counting the re-prefill of continued rows, 0.45 vs 0.63 (0.71x). Budgeting at
-    the max EMA continues fewer rows: 0.42 counting re-prefill, 0.38 decode-only."""
+    """On the heavy-tailed step (seed 0), counting a re-prefilled position like a decode slot
+    (prefill_cost 1): FIFO wastes 0.63; budgeting every chunk at its mean EMA 0.45 (0.28 of the
+    decode slots alone, its continuations re-prefill the most); at its max EMA 0.42; the planner,
+    splitting a chunk only where the saving beats the re-prefill, 0.39: the least of the four."""
     buckets = scheduling.LengthBuckets(
         prompt_buckets=(64, 128, 256),
         generation_buckets=scheduling.geometric_buckets(min_size=128, max_size=4096, factor=1.5),
@@ -452,25 +455,63 @@ def test_length_aware_wastes_less_than_fifo_counting_reprefill():
     )
     kw = dict(buckets=buckets, max_chunk_size=32, max_new_tokens=4096, num_shards=4)
     requests, predictor, true = _heavy_tailed_step(seed=0)
-    planned = scheduling.plan_chunks(requests, predictor_or_predictions=predictor, **kw)
-    aware = scheduling.simulate(planned, requests=requests, true_lengths=true, **kw)
+
+    def run(predictions):
+        planned = scheduling.plan_chunks(requests, predictor_or_predictions=predictions, **kw)
+        return scheduling.simulate(planned, requests=requests, true_lengths=true, **kw)
+
+    aware, by_mean = run(predictor), run(predictor.predict(requests))
+    by_max = run(predictor.predict(requests, statistic="max"))
     fifo = scheduling.simulate(
         scheduling.plan_fifo(requests, **kw), requests=requests, true_lengths=true, **kw
     )
-    waste_aware, waste_fifo = scheduling.padding_waste(aware), scheduling.padding_waste(fifo)
-    assert waste_aware <= 0.75 * waste_fifo, (waste_aware, waste_fifo)
-    decode_aware = scheduling.padding_waste(aware, reprefill=False)
-    assert decode_aware <= 0.5 * scheduling.padding_waste(fifo, reprefill=False)
+    waste = {k: scheduling.padding_waste(v) for k, v in dict(
+        aware=aware, mean=by_mean, max=by_max, fifo=fifo).items()}  # fmt: skip
+    assert waste["aware"] <= 0.75 * waste["fifo"], waste
+    assert waste["aware"] < min(waste["mean"], waste["max"]), waste
+    decode_mean = scheduling.padding_waste(by_mean, reprefill=False)
+    assert decode_mean <= 0.5 * scheduling.padding_waste(fifo, reprefill=False)
+    assert scheduling.padding_waste(by_max, reprefill=False) > decode_mean
     # FIFO budgets max_new_tokens: it never continues a row, so it re-prefills nothing.
     assert scheduling.reprefill_positions(fifo) == 0 < scheduling.reprefill_positions(aware)
+    assert scheduling.reprefill_positions(aware) < scheduling.reprefill_positions(by_mean)
     assert (
         scheduling.useful_tokens(aware)
         == scheduling.useful_tokens(fifo)
         == np.minimum(true, 4096).sum()
     )
     assert scheduling.num_compiled_shapes(aware) <= buckets.max_num_shapes
-    predictor.budget_statistic = "max"
-    planned = scheduling.plan_chunks(requests, predictor_or_predictions=predictor, **kw)
-    by_max = scheduling.simulate(planned, requests=requests, true_lengths=true, **kw)
-    assert scheduling.padding_waste(by_max) < waste_aware
-    assert scheduling.padding_waste(by_max, reprefill=False) > decode_aware
+
+
+def test_a_chunk_ends_early_only_when_that_saves_more_than_the_reprefill():
+    """8 rows, mean EMA 100 each (bucket 128); prompt 3's rows may run to 190 (max EMA; bucket
+    256). Ending at 128 saves (8 - 2) x (190 - 128) = 372 decode slot-steps and re-prefills the
+    2 continued rows: 2 x (64 + 256) = 640 positions x prefill_cost."""
+    requests = _requests([10, 10, 10, 10], group_size=2)
+    predictor = scheduling.LengthPredictor()
+    predictor.observe_requests(requests, [90, 110] * 3 + [10, 190])
+    kw = dict(buckets=BUCKETS, max_chunk_size=8, max_new_tokens=1000)
+
+    def plan(cost):
+        (chunk,) = scheduling.plan_chunks(
+            requests, predictor_or_predictions=predictor, prefill_cost=cost, **kw
+        )
+        return chunk.budget, chunk.predicted_saving, chunk.predicted_reprefill
+
+    assert plan(1.0) == (256, 0.0, 0.0)  # 640 > 372: one chunk to the longest row's bucket
+    assert plan(0.5) == (128, 372.0, 320.0)  # 320 < 372: end at 128, continue prompt 3
+    assert plan(0.0)[0] == 128
+    # Every row may run long: ending early saves nothing, whatever a prefill costs.
+    predictor.observe_requests(requests, [10, 190] * 4)
+    assert plan(0.0)[0] == 256
+    # The metrics of a step report the planned wave's predictions.
+    (chunk,) = scheduling.plan_chunks(
+        requests, predictor_or_predictions=[100] * 8, prefill_cost=0.5, **kw
+    )
+    records = scheduling.simulate([dataclasses.replace(chunk, predicted_saving=372.0,
+                                  predicted_reprefill=320.0)], requests=requests,
+                                  true_lengths=[100] * 8, **kw)  # fmt: skip
+    m = scheduling.schedule_metrics(records)
+    assert (m["predicted_saving"], m["predicted_reprefill"]) == (372.0, 320.0)
+    with pytest.raises(ValueError, match="prefill_cost"):
+        scheduling.plan_chunks(requests, predictor_or_predictions=predictor, prefill_cost=-1, **kw)
