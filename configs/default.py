@@ -172,7 +172,6 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.train.espo_entropy = "old"  # ESPO grouping entropies: old | sampler
     c.train.rl_zvp_entropy = "current"  # RL-ZVP entropies: current | old | sampler
     c.train.log_every = 1  # steps between metrics.jsonl lines
-    c.train.router_agreement_every = 1  # steps between mismatch/router_agreement (0: never)
 
     # ---- optimizer: optax AdamW, warmup + cosine, global-norm clipping ---------------------------
     c.optimizer = ml_collections.ConfigDict()

@@ -253,7 +253,8 @@ def _unless_empty(pred, fn, *args):
 
 
 def _expert_agreement(a: Int[Array, "B L T K"], b: Int[Array, "B L T K"], mask) -> Array:
-    """Mean over masked (row, MoE layer, position) of |experts(a) & experts(b)| / K."""
+    """(sum, count) over masked (row, MoE layer, position) of |experts(a) & experts(b)| / K,
+    at the layers and positions b recorded (b's id >= 0)."""
     same = (a[..., :, None] == b[..., None, :]).any(-1).mean(-1)  # [B, L, T]
     m = mask[:, None, :] & (b[..., 0] >= 0)  # [B, L, T]: recorded MoE layers only
     return jnp.where(m, same, 0.0).sum(), m.sum()
@@ -281,8 +282,6 @@ def prepare(
     ref_params: dict | None,
     batch,
     layout: packing.Layout = None,
-    *,
-    agreement: bool = True,
 ):
     """pi_old (and reference) log-probs, entropies, advantages and train-infer mismatch.
 
@@ -291,13 +290,11 @@ def prepare(
     batch's [N, T] (rows of padding only are skipped). pi_old replays the rollout's experts when
     `router_replay` (REPLAY_IDS), or routes freely; `old_logps="sampler"` takes the rollout's own
     log-probs instead. Mismatch metrics compare the sampler's log-probs with pi_old's on loss
-    tokens: k3 KL(sampler || trainer), the fraction with |dlogp| > ln 2, the router agreement
-    of a FREE-routing trainer forward with the rollout's experts, and the sampler correction the
-    loss will apply (`espo.correction`: is_weight_mean / max, is_clipped_frac, rs_masked_frac,
-    rs_masked_seq_frac) over the whole batch, whatever its micro-batching. `agreement=False`
-    skips the free-routing forward (the trainer measures router agreement every
-    `train.router_agreement_every` steps); with `sc.fused_old_logps` there is no pi_old pass
-    and the mismatch metrics come from the update instead.
+    tokens: k3 KL(sampler || trainer), the fraction with |dlogp| > ln 2 and the sampler
+    correction the loss will apply (`espo.correction`: is_weight_mean / max, is_clipped_frac,
+    rs_masked_frac, rs_masked_seq_frac) over the whole batch, whatever its micro-batching; with
+    `sc.fused_old_logps` there is no pi_old pass and the mismatch metrics come from the update
+    instead. (The router agreement comes from the update's forward, `train_step`.)
     """
 
     def one(rows: _Rows):
@@ -308,32 +305,20 @@ def prepare(
             old = _rows_logps(sc, params, rows, replay_missing="free")
             logps, ents = old.logps, old.entropies
             unrecorded = old.aux.num_unrecorded_routes.astype(jnp.int32)
-        agree = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        if agreement:
-            free = transformer.forward(
-                sc.model, params, rows.tokens, attention_mask=rows.attention_mask, **rows.packed
-            )
-            mask = rows.loss_mask
-            agree = _expert_agreement(free.router.expert_ids, rows.router.expert_ids, mask)
-            agree = (agree[0].astype(jnp.float32), agree[1].astype(jnp.int32))
         ref = zeros
         if ref_params is not None:
             ref = _rows_logps(sc, ref_params, rows, replay_missing="free").logps
-        return logps, ents, ref, agree, unrecorded
+        return logps, ents, ref, unrecorded
 
     if layout is None:
         mbs = batching.split(batch, batch.num_rows // sc.micro_batch_size)
-        logps, ents, ref, (agree, agree_n), unrecorded = jax.lax.map(
-            lambda mb: one(_padded_rows(mb)), mbs
-        )
+        logps, ents, ref, unrecorded = jax.lax.map(lambda mb: one(_padded_rows(mb)), mbs)
         logps, ents, ref = batching.unsplit((logps, ents, ref))
     else:  # packed micro-batches, then back to the batch's [N, T] layout
         micro = lambda m: _unless_empty(
             layout.segment_ids[m].any(), lambda m: one(_packed_rows(batch, _micro(layout, m))), m
         )
-        *per_token, (agree, agree_n), unrecorded = jax.lax.map(
-            micro, jnp.arange(layout.num_micro_batches)
-        )
+        *per_token, unrecorded = jax.lax.map(micro, jnp.arange(layout.num_micro_batches))
         index = (layout.rows, layout.cols, layout.valid)
         flat = lambda x: x.reshape((-1,) + x.shape[2:])  # [M, R, L] -> [M * R, L]
         logps, ents, ref = (packing.unpack(flat(x), index) for x in per_token)  # [N, T]
@@ -356,8 +341,6 @@ def prepare(
         zvp_sign=adv.zvp_sign,
     )
     metrics = dict(adv.metrics)
-    if agreement:
-        metrics["mismatch/router_agreement"] = agree.sum() / jnp.maximum(agree_n.sum(), 1)
     if not sc.fused_old_logps:
         metrics["mismatch/unrecorded_routes"] = unrecorded.sum().astype(jnp.float32)
         metrics.update(mismatch_metrics(sc, logps, batch.sampler_logps, batch.loss_mask))
@@ -390,12 +373,15 @@ def _micro_loss(sc: StepConfig, params, mb, packed=None):
     then per segment by construction, and the other sequences, with no loss token, leave every
     denominator: summed over micro-batches, numerators and denominators are the full batch's.
     """
+    rows = _padded_rows(mb) if packed is None else _packed_rows(mb, packed)
+    tl = _rows_logps(sc, params, rows, replay_missing="free")
+    # The router's own choices on this forward against the rollout's (free of charge: the
+    # router logits are computed anyway; under replay, each layer on the replayed context).
+    agree, num_agree = _expert_agreement(tl.aux.router_ids, rows.router.expert_ids, rows.loss_mask)
     if packed is None:
-        tl = _rows_logps(sc, params, _padded_rows(mb), replay_missing="free")
         loss_mask = mb.loss_mask
     else:
         index = packed.index
-        tl = _rows_logps(sc, params, _packed_rows(mb, packed), replay_missing="free")
         tl = tl._replace(logps=packing.unpack(tl.logps, index))
         tl = tl._replace(entropies=packing.unpack(tl.entropies, index))
         loss_mask = mb.loss_mask & index[2]  # [n, T]
@@ -424,11 +410,15 @@ def _micro_loss(sc: StepConfig, params, mb, packed=None):
         finished=mb.finished,
         sampler_logps=mb.sampler_logps,
     )
+    extra = {
+        "router_agreement": agree / jnp.maximum(num_agree, 1),
+        "num_agreement_pairs": num_agree.astype(jnp.float32),
+    }
     if sc.fused_old_logps:  # what `prepare` measures otherwise (token means: _combine weighs them)
-        fused = mismatch_metrics(sc, old_logps, mb.sampler_logps, loss_mask)
-        fused["num_unrecorded_routes"] = tl.aux.num_unrecorded_routes.astype(jnp.float32)
-        fused["num_mismatch_tokens"] = loss_mask.astype(jnp.float32).sum()  # before rejection
-        out = out.replace(metrics={**out.metrics, **fused})
+        extra.update(mismatch_metrics(sc, old_logps, mb.sampler_logps, loss_mask))
+        extra["num_unrecorded_routes"] = tl.aux.num_unrecorded_routes.astype(jnp.float32)
+        extra["num_mismatch_tokens"] = loss_mask.astype(jnp.float32).sum()  # before rejection
+    out = out.replace(metrics={**out.metrics, **extra})
     # The router's aux loss weighted by this micro-batch's share of the denominator, so the
     # accumulated objective is (sum num + sum den * aux) / sum den: exact over micro-batches.
     return out.numerator + out.denominator * tl.aux.total, (out, tl.aux)
@@ -489,6 +479,7 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skip = ("numerator", "denominator", "num_unrecorded_routes", "num_mismatch_tokens")
+    skip += ("router_agreement", "num_agreement_pairs")
     is_loss = lambda k: not k.startswith("mismatch/") and k not in skip
     metrics = {
         f"loss/{k}": v
@@ -500,6 +491,11 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
         mismatch = {k: v for k, v in per_micro.items() if k.startswith("mismatch/")}
         metrics.update(_combine(mismatch, per_micro["num_mismatch_tokens"]))
         metrics["mismatch/unrecorded_routes"] = per_micro["num_unrecorded_routes"].sum()
+    # Over (row, MoE layer, loss position) of every micro-batch, as one forward would.
+    agree = {"router_agreement": per_micro["router_agreement"]}
+    metrics["mismatch/router_agreement"] = _combine(agree, per_micro["num_agreement_pairs"])[
+        "router_agreement"
+    ]
     metrics["loss/loss"] = per_micro["numerator"].sum() / jnp.maximum(den, 1.0)
     metrics["optim/grad_norm"] = optax.global_norm(grads)
     metrics["optim/update_norm"] = optax.global_norm(updates)
@@ -575,9 +571,6 @@ class TrainConfig:
     espo_entropy: str = "old"
     rl_zvp_entropy: str = "current"
     log_every: int = 1
-    # Steps between measurements of mismatch/router_agreement (a free-routing forward of the
-    # whole batch); 0: never.
-    router_agreement_every: int = 1
 
     def __post_init__(self):
         errors.check(
@@ -609,10 +602,6 @@ class TrainConfig:
                 "router_replay": (isinstance(self.router_replay, bool), "True or False"),
                 "old_logps": (self.old_logps in OLD_LOGPS, f"one of {OLD_LOGPS}"),
                 "log_every": (errors.is_int(self.log_every) and self.log_every >= 1, "an int >= 1"),
-                "router_agreement_every": (
-                    errors.is_int(self.router_agreement_every) and self.router_agreement_every >= 0,
-                    "an int >= 0 (0: never)",
-                ),
             },
         )
 

@@ -302,14 +302,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     one_update = s.train.ppo_epochs == 1 and mini_rows == num_rows
     sc = step_config(s, model_cfg, micro_batch_size=micro_rows, one_update=one_update)
     rep = sharding.replicated(mesh)
-    # Two variants, compiled when first used: with the free-routing forward that measures
-    # mismatch/router_agreement (every train.router_agreement_every steps), and without.
-    prepares = {
-        agree: jax.jit(
-            functools.partial(train_step.prepare, sc, agreement=agree), out_shardings=None
-        )
-        for agree in (True, False)
-    }
+    prepare = jax.jit(functools.partial(train_step.prepare, sc), out_shardings=None)
     # The rollout engine's model: activations in rollout.dtype (e.g. bfloat16 while training in
     # float32), weights in FP8 with rollout.fp8; the train-inference mismatch this makes is
     # measured by `prepare` (mismatch/*) and corrected by router replay and loss.rollout_is.
@@ -434,8 +427,6 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                 if sc.packing_budget:  # planned on the host: a bounded set of packed shapes
                     layout = packing.layout(host_mask, budget=sc.packing_budget)
                 batch = sharding.put_batch(batch, mesh)
-                every = s.train.router_agreement_every
-                prepare = prepares[bool(every) and step % every == 0]
                 batch, prep = prepare(state.params, state.ref_params, batch, layout)
                 prep = jax.device_get(prep)
             _check_routes(step, prep)

@@ -175,7 +175,6 @@ def test_packed_prepare_equals_padded_prepare(replay):
         )
     assert float(jnp.abs(got.old_logps).sum()) > 0 and float(jnp.abs(got.ref_logps).sum()) > 0
     chex.assert_trees_all_close(got_m, want_m, atol=1e-5, rtol=1e-5)
-    assert float(want_m["mismatch/router_agreement"]) > 0
 
 
 @pytest.mark.slow

@@ -70,6 +70,7 @@ class MoeExtras:
     expert_load: Float[Array, " E"]  # fraction of (valid) assignments per expert
     unrecorded: Bool[Array, " M"]  # real tokens replayed with a -1 id (always False when FREE)
     expert_parallel: Int[Array, " 2"]  # 1 at the path taken (EP_PATHS); 0s without an expert axis
+    router_ids: Int[Array, "M K"]  # the router's own top-k (= expert_ids unless replayed)
 
 
 def unrecorded_routes(
@@ -125,6 +126,13 @@ def route(
         ids = jnp.where(free_mask[:, None], free_ids, ids)  # [M, K]
         weights = jnp.where(free_mask[:, None], free_weights, weights)  # [M, K]
     return ids, weights
+
+
+def own_top_k(router_logits: Float[Array, "M E"], top_k: int) -> Int[Array, "M K"]:
+    """The experts the router would choose itself: `route`'s free top-k (of the float32
+    softmax, so ties break as routing does)."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [M, E]
+    return jax.lax.top_k(probs, top_k)[1].astype(jnp.int32)
 
 
 def _renormalise(weights: Float[Array, "M K"]) -> Float[Array, "M K"]:
@@ -683,5 +691,6 @@ class MoeBlock(nn.Module):
             expert_load=load,
             unrecorded=unrecorded,
             expert_parallel=ep_path,
+            router_ids=ids if self.mode is RoutingMode.FREE else own_top_k(logits, K),
         )
         return out.reshape(B, T, D), extras

@@ -40,6 +40,9 @@ class ModelAux:
     # MoE layers by the expert-parallel path they took (`moe.EP_PATHS`: all_to_all, all_gather);
     # zeros without an expert axis in the context mesh.
     expert_parallel: Int[Array, " 2"]
+    # The router's own top-k at every layer [B, L, T, K] (-1 at dense layers): the experts used
+    # unless replayed; under replay, what the router would choose on the replayed context.
+    router_ids: Int[Array, "B L T K"] | None = None
 
 
 @flax.struct.dataclass
@@ -355,11 +358,12 @@ def forward(
 def _collect_routing(cfg, run_extras, *, batch, length):
     """Stack per-run `MoeExtras` into a RouterTrace [B, L, T, K] and layer-averaged losses."""
     K, E = cfg.top_k, cfg.num_experts
-    ids, weights, loads, lb, z, missing, paths = [], [], [], [], [], [], []
+    ids, weights, loads, lb, z, missing, paths, own = [], [], [], [], [], [], [], []
     for is_moe, n, extras in run_extras:
         if is_moe:
             missing.append(extras.unrecorded.reshape(n, batch, length))
             ids.append(extras.expert_ids.reshape(n, batch, length, K))
+            own.append(extras.router_ids.reshape(n, batch, length, K))
             weights.append(extras.expert_weights.reshape(n, batch, length, K))
             loads.append(extras.expert_load)
             lb.append(extras.load_balancing_loss)
@@ -368,6 +372,7 @@ def _collect_routing(cfg, run_extras, *, batch, length):
         else:
             missing.append(jnp.zeros((n, batch, length), bool))
             ids.append(jnp.full((n, batch, length, K), -1, jnp.int32))
+            own.append(ids[-1])
             weights.append(jnp.zeros((n, batch, length, K), jnp.float32))
             loads.append(jnp.zeros((n, E), jnp.float32))
     trace = types.RouterTrace(
@@ -384,6 +389,7 @@ def _collect_routing(cfg, run_extras, *, batch, length):
         total=cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss,
         num_unrecorded_routes=jnp.sum(unrecorded, dtype=jnp.int32),
         expert_parallel=sum(paths, jnp.zeros((2,), jnp.int32)),
+        router_ids=jnp.swapaxes(jnp.concatenate(own, axis=0), 0, 1),
     )
     return trace, aux, unrecorded
 
