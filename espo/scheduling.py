@@ -296,7 +296,10 @@ def _split_or_not(part, target, buckets, max_chunk_size, max_new_tokens, prefill
     budgeting at the upper lets the whole chunk decode to the end. The split saves the decode
     slot-steps of the rows that stop, (batch - continued batch) x (upper - budget), and costs
     the continued rows' re-prefill, continued batch x (prompt bucket + next generation bucket)
-    x `prefill_cost`. Split only when the saving exceeds the cost.
+    x `prefill_cost`. Split only when the saving exceeds the cost. A continuation is costed as
+    a chunk of its own, padded like any chunk (without batch buckets to max_chunk_size, so there
+    ending early never pays); continuations of several chunks that share a chunk cost less than
+    that, which the rule does not count.
     """
     upper = min(max(r.upper for r in part), max_new_tokens)
     budget = min(buckets.generation_bucket(target), max_new_tokens)

@@ -252,9 +252,10 @@ def _lognormal_workload(*, num_prompts, group_size, max_new_tokens, seed=0, step
 def _run_step(pool, workload, *, schedule="length_aware", **kw):
     m, params, prompts, ids, config = workload
     n = len(prompts)
+    config = dataclasses.replace(config, schedule=schedule)
     return rollout.generate_and_score(
         m, params, prompts=prompts, prompt_texts=["p"] * n, metas=[{}] * n, group_sizes=1,
-        key=jax.random.key(0), config=dataclasses.replace(config, schedule=schedule),
+        key=jax.random.key(0), config=config,
         reward_pool=pool, prompt_ids=ids, **kw,
     ).metrics  # fmt: skip
 
