@@ -285,7 +285,7 @@ class _Row(NamedTuple):
     target: float  # generated length to budget for (clamped to max_new_tokens)
     start: int  # tokens already generated
     prompt_length: int
-    upper: float = 0.0  # the longest it may run (the predictor's max EMA); <= target: unknown
+    upper: float = 0.0  # the longest it may run (the predictor's max EMA); <= target: not known
 
 
 def _split_or_not(part, target, buckets, max_chunk_size, max_new_tokens, prefill_cost):
@@ -303,7 +303,7 @@ def _split_or_not(part, target, buckets, max_chunk_size, max_new_tokens, prefill
     """
     upper = min(max(r.upper for r in part), max_new_tokens)
     budget = min(buckets.generation_bucket(target), max_new_tokens)
-    if upper <= budget or buckets.generation_bucket(upper) == buckets.generation_bucket(target):
+    if upper <= budget:  # nothing predicted past the budget: nothing to continue
         return target, 0.0, 0.0
     over = sum(r.upper > budget for r in part)
     size = lambda n: buckets.batch_bucket(n) if buckets.batch_buckets else max_chunk_size
@@ -318,10 +318,10 @@ def _split_or_not(part, target, buckets, max_chunk_size, max_new_tokens, prefill
 
 
 def _make_chunks(
-    rows, lpt, buckets, max_chunk_size, max_new_tokens, num_shards, prefill_cost=None
+    rows, lpt, buckets, max_chunk_size, max_new_tokens, num_shards, prefill_cost=1.0
 ) -> list[Chunk]:
-    """Cuts ordered rows into consecutive chunks, sizes their shapes and assigns shards;
-    with a `prefill_cost`, each chunk's budget is `_split_or_not`'s."""
+    """Cuts ordered rows into consecutive chunks, sizes their shapes and assigns shards; each
+    chunk's budget is `_split_or_not`'s (its target, unless rows carry a longer `upper`)."""
     buckets.check_max_new_tokens(max_new_tokens)
     largest = max_chunk_size if buckets.batch_buckets is None else buckets.batch_buckets[-1]
     if not (1 <= max_chunk_size <= largest and num_shards >= 1):
@@ -329,11 +329,10 @@ def _make_chunks(
     chunks = []
     for lo in range(0, len(rows), max_chunk_size):
         part = rows[lo : lo + max_chunk_size]
-        target, saving, reprefill = min(max(r.target for r in part), max_new_tokens), 0.0, 0.0
-        if prefill_cost is not None:
-            target, saving, reprefill = _split_or_not(
-                part, target, buckets, max_chunk_size, max_new_tokens, prefill_cost
-            )
+        target, saving, reprefill = _split_or_not(
+            part, min(max(r.target for r in part), max_new_tokens), buckets, max_chunk_size,
+            max_new_tokens, prefill_cost,
+        )  # fmt: skip
         generation_bucket = buckets.generation_bucket(target)
         budget = min(generation_bucket, max_new_tokens)
         prompt_bucket = buckets.prompt_bucket(max(r.prompt_length for r in part))
@@ -385,25 +384,23 @@ def plan_chunks(
     at the longest it may run. Each chunk records both predictions (`Chunk.predicted_saving`,
     `predicted_reprefill`). Explicit predictions are budgeted as given.
     """
-    upper = None
     if isinstance(predictor_or_predictions, LengthPredictor):
         pred = predictor_or_predictions.predict(requests)
         upper = predictor_or_predictions.predict(requests, statistic="max")
-    else:
-        pred = np.asarray(predictor_or_predictions, np.float64)
+    else:  # as given: the upper bound is the prediction itself
+        upper = pred = np.asarray(predictor_or_predictions, np.float64)
     if pred.shape != (len(requests),) or not np.all(pred >= 0):  # +inf: budget max_new_tokens
         raise errors.InvalidValue("", "predictions", pred, f"{len(requests)} lengths >= 0")
     if not (errors.is_real(prefill_cost) and prefill_cost >= 0):
         raise errors.InvalidValue("", "prefill_cost", prefill_cost, "a number >= 0")
     rows = [
-        _Row(i, min(float(p), max_new_tokens), 0, r.prompt_length, 0.0 if upper is None else u)
-        for i, (r, p, u) in enumerate(
-            zip(requests, pred, pred if upper is None else upper, strict=True)
-        )
+        _Row(i, min(float(p), max_new_tokens), 0, r.prompt_length, float(u))
+        for i, (r, p, u) in enumerate(zip(requests, pred, upper, strict=True))
     ]
     rows.sort(key=lambda r: (-r.target, -r.prompt_length, r.index))
-    cost = None if upper is None else prefill_cost
-    return _make_chunks(rows, True, buckets, max_chunk_size, max_new_tokens, num_shards, cost)
+    return _make_chunks(
+        rows, True, buckets, max_chunk_size, max_new_tokens, num_shards, prefill_cost
+    )
 
 
 def continuation_plan(

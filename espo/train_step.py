@@ -410,10 +410,7 @@ def _micro_loss(sc: StepConfig, params, mb, packed=None):
         finished=mb.finished,
         sampler_logps=mb.sampler_logps,
     )
-    extra = {
-        "router_agreement": agree / jnp.maximum(num_agree, 1),
-        "num_agreement_pairs": num_agree.astype(jnp.float32),
-    }
+    extra = {"num_agreeing": agree, "num_agreement_pairs": num_agree.astype(jnp.float32)}
     if sc.fused_old_logps:  # what `prepare` measures otherwise (token means: _combine weighs them)
         extra.update(mismatch_metrics(sc, old_logps, mb.sampler_logps, loss_mask))
         extra["num_unrecorded_routes"] = tl.aux.num_unrecorded_routes.astype(jnp.float32)
@@ -479,7 +476,7 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skip = ("numerator", "denominator", "num_unrecorded_routes", "num_mismatch_tokens")
-    skip += ("router_agreement", "num_agreement_pairs")
+    skip += ("num_agreeing", "num_agreement_pairs")
     is_loss = lambda k: not k.startswith("mismatch/") and k not in skip
     metrics = {
         f"loss/{k}": v
@@ -492,10 +489,8 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
         metrics.update(_combine(mismatch, per_micro["num_mismatch_tokens"]))
         metrics["mismatch/unrecorded_routes"] = per_micro["num_unrecorded_routes"].sum()
     # Over (row, MoE layer, loss position) of every micro-batch, as one forward would.
-    agree = {"router_agreement": per_micro["router_agreement"]}
-    metrics["mismatch/router_agreement"] = _combine(agree, per_micro["num_agreement_pairs"])[
-        "router_agreement"
-    ]
+    pairs = jnp.maximum(per_micro["num_agreement_pairs"].sum(), 1.0)
+    metrics["mismatch/router_agreement"] = per_micro["num_agreeing"].sum() / pairs
     metrics["loss/loss"] = per_micro["numerator"].sum() / jnp.maximum(den, 1.0)
     metrics["optim/grad_norm"] = optax.global_norm(grads)
     metrics["optim/update_norm"] = optax.global_norm(updates)

@@ -283,11 +283,8 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     curr = s.curriculum
     max_g = max(max(st.group_size for st in curr.stages), s.zve.max_group_size)
     num_rows, mini_rows, micro_rows = s.train.batch_rows(max_g)
-    Tp, Tg = (
-        s.max_prompt_length,
-        _buckets(s.max_prompt_length, curr.max_new_tokens).generation_bucket(curr.max_new_tokens),
-    )
-    widths = _buckets(Tp, Tg)  # the update's compiled widths (`batching.trim`)
+    widths = _buckets(s.max_prompt_length, curr.max_new_tokens)  # `batching.trim`'s buckets
+    Tp, Tg = s.max_prompt_length, widths.generation_bucket(curr.max_new_tokens)
 
     # ---- jitted steps: explicit shardings, donated state ----------------------------------------
     for rows, what in (
