@@ -58,6 +58,7 @@ DEVIATIONS = {
     "zve.max_group_size": "adaptive G up to 16 for prompts near 0 or 1",
     "reward.overlong_weight": "a half-weight DAPO overlong penalty",
     "reward.overlong_cache_fraction": "the soft zone: the last 20% of the budget",
+    "train.scan_layers": "4 layers: the unrolled update is ~12% faster and compiles in seconds",
 }
 
 _float = config_dict.placeholder(float)  # "None: the library's default for this setting"
@@ -168,6 +169,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.train.packing = True  # pack whole sequences into micro-batches, not padded rows
     c.train.max_tokens_per_micro_batch = 2048  # tokens per packed micro-batch (docs/performance.md)
     c.train.router_replay = True  # replay the rollout's experts in old-log-prob and update forwards
+    c.train.replay_counterfactual = False  # also pi_old under the other routing (diagnostic)
+    c.train.scan_layers = False  # True: scan over layers (compile time flat in depth; slower here)
     c.train.old_logps = "recompute"  # recompute (trainer params) | sampler (the rollout's)
     c.train.espo_entropy = "old"  # ESPO grouping entropies: old | sampler
     c.train.rl_zvp_entropy = "current"  # RL-ZVP entropies: current | old | sampler

@@ -44,6 +44,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.sft.steps = 0  # a pretrained checkpoint needs no warm start
     c.rollout.temperature = 1.0  # Qwen3 thinking mode samples at T = 0.6-1.0
     c.train.update(steps=200, prompts_per_step=32, micro_batch_size=8, mini_batch_size=128)
+    c.train.scan_layers = True  # 48-layer checkpoints: an unrolled update compiles for minutes
     c.train.packing = False  # True: pack responses (lengths vary ~10x) instead of padding them
     c.train.max_tokens_per_micro_batch = 8192  # >= max_prompt_length + max_new_tokens (2560)
     c.optimizer.update(learning_rate=1e-6, warmup_steps=10, weight_decay=0.01)

@@ -202,6 +202,18 @@ class StepConfig:
     # (stop-gradient; the ratio is exactly 1, as TRL's num_iterations=1) and `prepare` runs no
     # pi_old pass; the mismatch metrics come from the update (`train_step`).
     fused_old_logps: bool = False
+    # train.scan_layers=False: forwards and gradients on per-layer parameters
+    # (`transformer.unstack_layers`, an unrolled loop over layers; the gradient is stacked back
+    # once an update) instead of a scan over the [L, ...] layout. On XLA:CPU the scan's stacked
+    # residuals (zero-filled [L, ...] buffers, a dynamic-update-slice per layer) cost ~12% of an
+    # update (docs/performance.md); the price is a compile that grows with depth.
+    unroll_layers: bool = False
+    # train.replay_counterfactual: `prepare` also computes pi_old under the other routing (free
+    # when replaying, replayed when not) on the same rows, one forward more a step, and logs its
+    # mismatch against the sampler (mismatch/counterfactual/*) beside the run's own, and the
+    # free-routing forward's expert agreement with the rollout per MoE layer
+    # (mismatch/free_agreement/layer_<l>): router replay's effect measured on paired batches.
+    replay_counterfactual: bool = False
 
 
 def _routing(sc: StepConfig, router: types.RouterTrace) -> dict:
@@ -252,12 +264,14 @@ def _unless_empty(pred, fn, *args):
     return jax.lax.cond(pred, fn, zeros, *args)
 
 
-def _expert_agreement(a: Int[Array, "B L T K"], b: Int[Array, "B L T K"], mask) -> Array:
-    """(sum, count) over masked (row, MoE layer, position) of |experts(a) & experts(b)| / K,
-    at the layers and positions b recorded (b's id >= 0)."""
+def _expert_agreement(
+    a: Int[Array, "B L T K"], b: Int[Array, "B L T K"], mask
+) -> tuple[Float[Array, " L"], Int[Array, " L"]]:
+    """(sum, count) per layer over masked (row, position) of |experts(a) & experts(b)| / K, at
+    the positions b recorded (b's id >= 0; a dense layer has none)."""
     same = (a[..., :, None] == b[..., None, :]).any(-1).mean(-1)  # [B, L, T]
     m = mask[:, None, :] & (b[..., 0] >= 0)  # [B, L, T]: recorded MoE layers only
-    return jnp.where(m, same, 0.0).sum(), m.sum()
+    return jnp.where(m, same, 0.0).sum((0, 2)), m.sum((0, 2))
 
 
 class _Micro(NamedTuple):
@@ -296,6 +310,10 @@ def prepare(
     `sc.fused_old_logps` there is no pi_old pass and the mismatch metrics come from the update
     instead. (The router agreement comes from the update's forward, `train_step`.)
     """
+    if sc.unroll_layers:
+        unstack = functools.partial(transformer.unstack_layers, sc.model)
+        params = unstack(params)
+        ref_params = None if ref_params is None else unstack(ref_params)
 
     def one(rows: _Rows):
         zeros = jnp.zeros(rows.tokens.shape, jnp.float32)  # [R, L]
@@ -308,20 +326,32 @@ def prepare(
         ref = zeros
         if ref_params is not None:
             ref = _rows_logps(sc, ref_params, rows, replay_missing="free").logps
-        return logps, ents, ref, unrecorded
+        counter, agree = zeros, jnp.zeros((2, sc.model.num_layers), jnp.float32)
+        if sc.replay_counterfactual:  # the other routing on the same rows (see StepConfig)
+            other = dataclasses.replace(sc, router_replay=not sc.router_replay)
+            cf = _rows_logps(other, params, rows, replay_missing="free")
+            free = cf if sc.router_replay else None if sc.fused_old_logps else old
+            if free is None:  # free routing is pi_old's, which the update computes
+                free = _rows_logps(sc, params, rows, replay_missing="free")
+            agreeing, pairs = _expert_agreement(
+                free.aux.router_ids, rows.router.expert_ids, rows.loss_mask
+            )
+            agree = jnp.stack([agreeing, pairs.astype(jnp.float32)])
+            counter = cf.logps
+        return (logps, ents, ref, counter), (unrecorded, agree)
 
     if layout is None:
         mbs = batching.split(batch, batch.num_rows // sc.micro_batch_size)
-        logps, ents, ref, unrecorded = jax.lax.map(lambda mb: one(_padded_rows(mb)), mbs)
-        logps, ents, ref = batching.unsplit((logps, ents, ref))
+        per_token, (unrecorded, agree) = jax.lax.map(lambda mb: one(_padded_rows(mb)), mbs)
+        logps, ents, ref, counter = batching.unsplit(per_token)
     else:  # packed micro-batches, then back to the batch's [N, T] layout
         micro = lambda m: _unless_empty(
             layout.segment_ids[m].any(), lambda m: one(_packed_rows(batch, _micro(layout, m))), m
         )
-        *per_token, unrecorded = jax.lax.map(micro, jnp.arange(layout.num_micro_batches))
+        per_token, (unrecorded, agree) = jax.lax.map(micro, jnp.arange(layout.num_micro_batches))
         index = (layout.rows, layout.cols, layout.valid)
         flat = lambda x: x.reshape((-1,) + x.shape[2:])  # [M, R, L] -> [M * R, L]
-        logps, ents, ref = (packing.unpack(flat(x), index) for x in per_token)  # [N, T]
+        logps, ents, ref, counter = (packing.unpack(flat(x), index) for x in per_token)  # [N, T]
     logps = jax.lax.stop_gradient(logps)
     if sc.old_logps == "sampler":
         logps = batch.sampler_logps
@@ -344,6 +374,15 @@ def prepare(
     if not sc.fused_old_logps:
         metrics["mismatch/unrecorded_routes"] = unrecorded.sum().astype(jnp.float32)
         metrics.update(mismatch_metrics(sc, logps, batch.sampler_logps, batch.loss_mask))
+    if sc.replay_counterfactual:
+        cf = mismatch_metrics(sc, counter, batch.sampler_logps, batch.loss_mask)
+        for key in ("k3_kl", "extreme_token_frac", "abs_dlogp_mean"):
+            metrics[f"mismatch/counterfactual/{key}"] = cf[f"mismatch/{key}"]
+        agreeing, pairs = agree.sum(0)  # [L] each; a dense layer has no pairs
+        for layer in sc.model.moe_layers:
+            metrics[f"mismatch/free_agreement/layer_{layer}"] = agreeing[layer] / jnp.maximum(
+                pairs[layer], 1.0
+            )
     return batch, metrics
 
 
@@ -377,7 +416,10 @@ def _micro_loss(sc: StepConfig, params, mb, packed=None):
     tl = _rows_logps(sc, params, rows, replay_missing="free")
     # The router's own choices on this forward against the rollout's (free of charge: the
     # router logits are computed anyway; under replay, each layer on the replayed context).
-    agree, num_agree = _expert_agreement(tl.aux.router_ids, rows.router.expert_ids, rows.loss_mask)
+    agree, num_agree = (
+        x.sum()
+        for x in _expert_agreement(tl.aux.router_ids, rows.router.expert_ids, rows.loss_mask)
+    )
     if packed is None:
         loss_mask = mb.loss_mask
     else:
@@ -453,24 +495,29 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
         return grads, metrics
 
     def body(acc, mb):
-        grads, metrics = metrics_of(*grad_fn(state.params, mb))
+        grads, metrics = metrics_of(*grad_fn(params, mb))
         return jax.tree.map(jnp.add, acc, grads), metrics
 
     def packed_body(acc, m):
         lay = _micro(mini.layout, m)
         grads, metrics = _unless_empty(
             lay.segment_ids.any(),
-            lambda lay: metrics_of(*grad_fn(state.params, mini.batch, lay)),
+            lambda lay: metrics_of(*grad_fn(params, mini.batch, lay)),
             lay,
         )
         return jax.tree.map(jnp.add, acc, grads), metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    params = state.params
+    if sc.unroll_layers:
+        params = transformer.unstack_layers(sc.model, params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
     if isinstance(mini, batching.PackedMiniBatch):
         m = jnp.arange(mini.layout.num_micro_batches)
         grads, per_micro = jax.lax.scan(packed_body, zeros, m)
     else:
         grads, per_micro = jax.lax.scan(body, zeros, mini)
+    if sc.unroll_layers:
+        grads = transformer.stack_layers(sc.model, grads)
     den = per_micro["denominator"].sum()
     grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -565,6 +612,8 @@ class TrainConfig:
     old_logps: str = "recompute"
     espo_entropy: str = "old"
     rl_zvp_entropy: str = "current"
+    scan_layers: bool = True  # False: the update differentiates an unrolled loop over layers
+    replay_counterfactual: bool = False  # also pi_old under the other routing (a diagnostic)
     log_every: int = 1
 
     def __post_init__(self):
@@ -595,6 +644,11 @@ class TrainConfig:
                     "an int >= 1",
                 ),
                 "router_replay": (isinstance(self.router_replay, bool), "True or False"),
+                "scan_layers": (isinstance(self.scan_layers, bool), "True or False"),
+                "replay_counterfactual": (
+                    isinstance(self.replay_counterfactual, bool),
+                    "True or False",
+                ),
                 "old_logps": (self.old_logps in OLD_LOGPS, f"one of {OLD_LOGPS}"),
                 "log_every": (errors.is_int(self.log_every) and self.log_every >= 1, "an int >= 1"),
             },

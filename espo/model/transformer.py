@@ -82,6 +82,15 @@ def unstack_layers(cfg: config_lib.ModelConfig, params: dict) -> dict:
     return out
 
 
+def stack_layers(cfg: config_lib.ModelConfig, params: dict) -> dict:
+    """The inverse of `unstack_layers`: per-layer subtrees back into stacked [L, ...] runs."""
+    out = {k: v for k, v in params.items() if not k.startswith("blocks_")}
+    for r, (_, _, length) in enumerate(cfg.layer_runs()):
+        per_layer = [params[layer_name(r, i)] for i in range(length)]
+        out[run_name(r)] = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    return out
+
+
 class Block(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp_or_moe(norm(x))."""
 
