@@ -388,10 +388,13 @@ def parse_arms(
     *,
     out: str,
     arms: Mapping[str, Arm] | Callable[[str], Mapping[str, Arm]],
+    preset: str = "cpu",
+    seeds: str = "0",
 ) -> tuple[argparse.Namespace, list[Arm]]:
     """`parser`'s options plus --arms (comma-separated, default all): (args, the chosen arms).
-    `arms` may depend on the preset: a function of it."""
-    p = parser(doc, out=out, seeds="0")
+    `arms` may depend on the preset: a function of it. `preset`, `seeds`: the defaults."""
+    p = parser(doc, out=out, seeds=seeds)
+    p.set_defaults(preset=preset)
     p.add_argument("--arms", default=None, help="comma-separated arm names (default: all)")
     args = p.parse_args(argv)
     known = arms(args.preset) if callable(arms) else arms
@@ -416,14 +419,15 @@ def experiment(
     summarize: Callable,
     plots: Callable,
     common: Mapping[str, object] = (),
+    name: str = CONFIG,
 ) -> dict:
-    """Runs `arms` x seeds from the shared warm start, then writes the results:
-    `summarize(runs, arms)` -> (Markdown sections, JSON data), `plots(out, runs, arms)` -> PNGs;
-    `common` overrides apply to every arm (and not to the warm start)."""
+    """Runs `arms` x seeds of configs/<name>.py from the shared warm start, then writes the
+    results: `summarize(runs, arms)` -> (Markdown sections, JSON data), `plots(out, runs, arms)`
+    -> PNGs; `common` overrides apply to every arm (and not to the warm start)."""
     out = pathlib.Path(args.out)
     runs = run_arms(
         out, args.preset, arms, seeds_of(args), progress=not args.no_progress,
-        warm=warm_dir(args), common=common,
+        warm=warm_dir(args), common=common, name=name,
     )  # fmt: skip
     sections, data = summarize(runs, arms)
     files = plots(out, runs, arms)

@@ -69,6 +69,24 @@ def test_replay_quick(out):
 
 
 @pytest.mark.slow
+def test_replay_paired_quick(out):
+    """Both routings measured on the same batches of one run (configs/default.py's tiny
+    variant, its own warm start): FP8 rollouts flip some experts, whose mismatch replay removes."""
+    repro = _load("repro_replay_paired")
+    argv = ["--quick", "--seeds", "0", "--arms", "fp8", "--out", str(out / "paired")]
+    data = repro.main([*argv, "--warm-start", str(out / "warm_default"), "--no-progress"])
+    fp8 = data["fp8"]
+    assert fp8["steps"] == [1]
+    assert 0 <= fp8["k3 replay"][0] < fp8["k3 free"][0]
+    assert fp8["k3 free / replay"][0] > 1.0
+    layers = [k for k in fp8 if k.startswith("agreement layer")]
+    assert layers and all(0.5 < fp8[k][0] <= 1.0 for k in layers)
+    assert min(fp8[k][0] for k in layers) < 1.0
+    text = (out / "paired" / "results.md").read_text()
+    assert "| FP8 weights |" in text and (out / "paired" / "paired.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
 def test_zve_training_quick(out):
     repro = _load("repro_zve_training")
     argv = ["--quick", "--arms", "plain,rl_zvp", "--out", str(out / "zve")]
