@@ -57,6 +57,13 @@ def _ratio(records, metric: str) -> float:
     return free / replay if replay > 0 else float("nan")
 
 
+def _share_higher(records) -> float:
+    """The share of steps whose batch has a higher k3 under free routing than under replay."""
+    _, free = repro_lib.series(records, "mismatch/counterfactual/k3_kl")
+    _, replay = repro_lib.series(records, "mismatch/k3_kl")
+    return float((free > replay).mean()) if len(free) == len(replay) > 0 else float("nan")
+
+
 def _layers(records) -> list[str]:
     return sorted(
         {k for r in records for k in r if k.startswith("mismatch/free_agreement/")},
@@ -82,17 +89,21 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
                 recs, lambda r, k=key: _mean(r, k)
             )
         d["steps"] = [len(repro_lib.series(r, "mismatch/k3_kl")[0]) for r in recs]
+        d["k3 free > replay, share of steps"] = repro_lib.per_seed(recs, _share_higher)
         data[arm.name] = d
         sci = lambda v: repro_lib.spread(v) if len(v) == 1 else f"{np.mean(v):.2e}"
         rows.append([
             arm.title, sci(d["k3 replay"]), sci(d["k3 free"]),
             repro_lib.ci(d["k3 free / replay"], 2),
+            " / ".join(f"{v:.2f}" for v in d["k3 free / replay"]),
+            f"{np.mean(d['k3 free > replay, share of steps']):.2f}",
             sci(d["extreme replay"]), sci(d["extreme free"]),
             repro_lib.ci(d["extreme free / replay"], 2),
             " / ".join(f"{np.mean(v):.3f}" for k, v in d.items() if k.startswith("agreement")),
         ])  # fmt: skip
     header = [
-        "rollout", "k3 replay", "k3 free", "k3 free / replay", "extreme replay", "extreme free",
+        "rollout", "k3 replay", "k3 free", "k3 free / replay", "per seed", "steps free > replay",
+        "extreme replay", "extreme free",
         "extreme free / replay", "free expert agreement per layer",
     ]  # fmt: skip
     notes = (
@@ -101,7 +112,9 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "forward) and with free routing (the counterfactual), against the rollout's log-probs. "
         "k3 = KL(sampler || trainer), extreme = share with |dlogp| > ln 2, each the mean over "
         "the RL steps of a run, then over seeds; the ratios are per seed, shown as mean ± the 95% "
-        "t-interval over seeds [its ends]. Free expert agreement: the share of the rollout's "
+        "t-interval over seeds [its ends], and each seed's; 'steps free > replay': the share "
+        "of steps (batches) where free routing's k3 is the higher, over every seed's steps. "
+        "Free expert agreement: the share of the rollout's "
         "(token, expert) choices a free-routing trainer forward makes too, per MoE layer."
     )
     return [repro_lib.markdown_table(header, rows), notes], data
