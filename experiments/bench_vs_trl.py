@@ -230,7 +230,7 @@ def espo_update_worker(ckpt, data, *, new_tokens: int, steps: int, extra: dict) 
 
     from espo import advantages, batching, losses, model, train_step, types
 
-    del data, steps, extra
+    del data, steps
     cfg, params = model.load_hf_checkpoint(ckpt)
     tokens, mask = _micro_batch(cfg.vocab_size, new_tokens)
     free = model.forward(cfg, params, tokens, attention_mask=mask)
@@ -253,7 +253,7 @@ def espo_update_worker(ckpt, data, *, new_tokens: int, steps: int, extra: dict) 
         model=cfg, loss=losses.LossConfig(name="grpo", vocab_size=cfg.vocab_size),
         advantage=advantages.AdvantageConfig(), entropy=train_step.EntropyConfig(),
         num_groups=n // GROUP, micro_batch_size=n, router_replay=True, fused_old_logps=True,
-        unroll_layers=True,  # train.scan_layers=False, as the step runs
+        unroll_layers=not extra.get("train.scan_layers", False),  # as the step runs it
     )  # fmt: skip
     opt = optax.adamw(1e-6)
     state = train_step.TrainState(
@@ -337,7 +337,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=8, help="RL steps per run (3..steps are timed)")
     p.add_argument("--trl_python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
                    help="python of TRL's virtualenv; 'none': espo alone")  # fmt: skip
-    p.add_argument("--espo", default="{}", help="JSON {dotted key: value} espo overrides")
+    p.add_argument("--espo", default="{}",
+                   help="JSON {dotted key: value} espo overrides (the update table reads "
+                   "train.scan_layers)")  # fmt: skip
     p.add_argument("--only", choices=("step", "update"), help="one table (default: both)")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -363,10 +365,10 @@ def main(argv=None) -> None:
         if args.only != "update":
             step_table(args, ckpt, data, lengths, trl_python)
         if args.only != "step":
-            update_table(ckpt, data, lengths, trl_python)
+            update_table(ckpt, data, lengths, trl_python, extra=json.loads(args.espo))
 
 
-def update_table(ckpt, data, lengths, trl_python) -> None:
+def update_table(ckpt, data, lengths, trl_python, *, extra: dict) -> None:
     print(f"\nOne micro-batch of {MICRO} rows (32 + new tokens), seconds, median of 5:")
     print(
         "| new tokens | espo forward | torch forward | espo update | torch update | espo / torch |"
@@ -374,7 +376,7 @@ def update_table(ckpt, data, lengths, trl_python) -> None:
     print("|---|---|---|---|---|---|")
     for n in lengths:
         kw = dict(new_tokens=n, steps=0, extra={})
-        e = run_worker(sys.executable, "espo_update", ckpt, data, **kw)
+        e = run_worker(sys.executable, "espo_update", ckpt, data, **{**kw, "extra": extra})
         t = run_worker(trl_python, "torch_update", ckpt, data, **kw) if trl_python else None
         if e is None:
             continue
