@@ -202,18 +202,26 @@ class StepConfig:
     # (stop-gradient; the ratio is exactly 1, as TRL's num_iterations=1) and `prepare` runs no
     # pi_old pass; the mismatch metrics come from the update (`train_step`).
     fused_old_logps: bool = False
-    # train.scan_layers=False: forwards and gradients on per-layer parameters
+    # train.scan_layers. False: forwards and gradients on per-layer parameters
     # (`transformer.unstack_layers`, an unrolled loop over layers; the gradient is stacked back
     # once an update) instead of a scan over the [L, ...] layout. On XLA:CPU the scan's stacked
-    # residuals (zero-filled [L, ...] buffers, a dynamic-update-slice per layer) cost ~12% of an
+    # residuals (zero-filled [L, ...] buffers, a dynamic-update-slice per layer) cost ~15% of an
     # update (docs/performance.md); the price is a compile that grows with depth.
-    unroll_layers: bool = False
+    scan_layers: bool = True
     # train.replay_counterfactual: `prepare` also computes pi_old under the other routing (free
     # when replaying, replayed when not) on the same rows, one forward more a step, and logs its
     # mismatch against the sampler (mismatch/counterfactual/*) beside the run's own, and the
     # free-routing forward's expert agreement with the rollout per MoE layer
     # (mismatch/free_agreement/layer_<l>): router replay's effect measured on paired batches.
     replay_counterfactual: bool = False
+
+
+def _layer_params(sc: StepConfig, params: dict | None) -> dict | None:
+    """`params` in the layout the step's forwards run on: per-layer subtrees unless
+    `sc.scan_layers` (`transformer.unstack_layers`; None stays None)."""
+    if sc.scan_layers or params is None:
+        return params
+    return transformer.unstack_layers(sc.model, params)
 
 
 def _routing(sc: StepConfig, router: types.RouterTrace) -> dict:
@@ -310,10 +318,7 @@ def prepare(
     `sc.fused_old_logps` there is no pi_old pass and the mismatch metrics come from the update
     instead. (The router agreement comes from the update's forward, `train_step`.)
     """
-    if sc.unroll_layers:
-        unstack = functools.partial(transformer.unstack_layers, sc.model)
-        params = unstack(params)
-        ref_params = None if ref_params is None else unstack(ref_params)
+    params, ref_params = _layer_params(sc, params), _layer_params(sc, ref_params)
 
     def one(rows: _Rows):
         zeros = jnp.zeros(rows.tokens.shape, jnp.float32)  # [R, L]
@@ -330,8 +335,11 @@ def prepare(
         if sc.replay_counterfactual:  # the other routing on the same rows (see StepConfig)
             other = dataclasses.replace(sc, router_replay=not sc.router_replay)
             cf = _rows_logps(other, params, rows, replay_missing="free")
-            free = cf if sc.router_replay else None if sc.fused_old_logps else old
-            if free is None:  # free routing is pi_old's, which the update computes
+            if sc.router_replay:  # the counterfactual is the free forward
+                free = cf
+            elif not sc.fused_old_logps:  # pi_old's forward here is the free one
+                free = old
+            else:  # pi_old's free forward is the update's: one here for its routes
                 free = _rows_logps(sc, params, rows, replay_missing="free")
             agreeing, pairs = _expert_agreement(
                 free.aux.router_ids, rows.router.expert_ids, rows.loss_mask
@@ -375,9 +383,8 @@ def prepare(
         metrics["mismatch/unrecorded_routes"] = unrecorded.sum().astype(jnp.float32)
         metrics.update(mismatch_metrics(sc, logps, batch.sampler_logps, batch.loss_mask))
     if sc.replay_counterfactual:
-        cf = mismatch_metrics(sc, counter, batch.sampler_logps, batch.loss_mask)
-        for key in ("k3_kl", "extreme_token_frac", "abs_dlogp_mean"):
-            metrics[f"mismatch/counterfactual/{key}"] = cf[f"mismatch/{key}"]
+        cf = _log_ratio_metrics(counter, batch.sampler_logps, batch.loss_mask)
+        metrics.update({f"mismatch/counterfactual/{k}": v for k, v in cf.items()})
         agreeing, pairs = agree.sum(0)  # [L] each; a dense layer has no pairs
         for layer in sc.model.moe_layers:
             metrics[f"mismatch/free_agreement/layer_{layer}"] = agreeing[layer] / jnp.maximum(
@@ -390,15 +397,23 @@ def mismatch_metrics(sc: StepConfig, logps, sampler_logps, mask) -> dict:
     """Trainer (pi_old) against sampler log-probs on the loss tokens `mask`: k3 KL(sampler ||
     trainer), the fraction with |dlogp| > ln 2, mean |dlogp|, and the sampler correction the
     loss applies (`espo.correction`)."""
+    fix = correction.correct(sc.loss, old_logps=logps, sampler_logps=sampler_logps, mask=mask)
+    return {
+        f"mismatch/{k}": v
+        for k, v in {**_log_ratio_metrics(logps, sampler_logps, mask), **fix.metrics}.items()
+    }
+
+
+def _log_ratio_metrics(logps, sampler_logps, mask) -> dict:
+    """k3_kl, extreme_token_frac and abs_dlogp_mean of trainer against sampler log-probs on
+    the tokens `mask` (`mismatch_metrics` without the correction)."""
     n = jnp.maximum(mask.sum(), 1)
     clamp = losses.LOG_RATIO_CLAMP  # the losses' clamp on log ratios, also for the metrics
     d = jnp.where(mask, jnp.clip(logps - sampler_logps, -clamp, clamp), 0.0)  # trainer - sampler
-    fix = correction.correct(sc.loss, old_logps=logps, sampler_logps=sampler_logps, mask=mask)
     return {
-        "mismatch/k3_kl": jnp.where(mask, jnp.expm1(d) - d, 0.0).sum() / n,
-        "mismatch/extreme_token_frac": jnp.where(mask, jnp.abs(d) > jnp.log(2.0), False).sum() / n,
-        "mismatch/abs_dlogp_mean": jnp.where(mask, jnp.abs(d), 0.0).sum() / n,
-        **{f"mismatch/{k}": v for k, v in fix.metrics.items()},
+        "k3_kl": jnp.where(mask, jnp.expm1(d) - d, 0.0).sum() / n,
+        "extreme_token_frac": jnp.where(mask, jnp.abs(d) > jnp.log(2.0), False).sum() / n,
+        "abs_dlogp_mean": jnp.where(mask, jnp.abs(d), 0.0).sum() / n,
     }
 
 
@@ -507,16 +522,14 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
         )
         return jax.tree.map(jnp.add, acc, grads), metrics
 
-    params = state.params
-    if sc.unroll_layers:
-        params = transformer.unstack_layers(sc.model, params)
+    params = _layer_params(sc, state.params)
     zeros = jax.tree.map(jnp.zeros_like, params)
     if isinstance(mini, batching.PackedMiniBatch):
         m = jnp.arange(mini.layout.num_micro_batches)
         grads, per_micro = jax.lax.scan(packed_body, zeros, m)
     else:
         grads, per_micro = jax.lax.scan(body, zeros, mini)
-    if sc.unroll_layers:
+    if not sc.scan_layers:
         grads = transformer.stack_layers(sc.model, grads)
     den = per_micro["denominator"].sum()
     grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grads)

@@ -205,7 +205,7 @@ def step_config(s: config_lib.Settings, model_cfg, *, micro_batch_size: int, one
         old_logps=s.train.old_logps,
         temperature=s.rollout.temperature or 1.0,
         fused_old_logps=one_update and s.train.old_logps == "recompute",
-        unroll_layers=not s.train.scan_layers,
+        scan_layers=s.train.scan_layers,
         replay_counterfactual=s.train.replay_counterfactual,
     )
 

@@ -253,7 +253,7 @@ def espo_update_worker(ckpt, data, *, new_tokens: int, steps: int, extra: dict) 
         model=cfg, loss=losses.LossConfig(name="grpo", vocab_size=cfg.vocab_size),
         advantage=advantages.AdvantageConfig(), entropy=train_step.EntropyConfig(),
         num_groups=n // GROUP, micro_batch_size=n, router_replay=True, fused_old_logps=True,
-        unroll_layers=not extra.get("train.scan_layers", False),  # as the step runs it
+        scan_layers=extra.get("train.scan_layers", False),  # as the step runs it
     )  # fmt: skip
     opt = optax.adamw(1e-6)
     state = train_step.TrainState(

@@ -46,14 +46,10 @@ ARMS = {
 PAIRS = (("k3", "k3_kl"), ("extreme", "extreme_token_frac"), ("|dlogp|", "abs_dlogp_mean"))
 
 
-def _mean(records, key) -> float:
-    return repro_lib.mean_over(records, key)
-
-
 def _ratio(records, metric: str) -> float:
     """Free routing's mismatch over replay's, each averaged over the run's steps (nan if 0)."""
-    free = _mean(records, f"mismatch/counterfactual/{metric}")
-    replay = _mean(records, f"mismatch/{metric}")
+    free = repro_lib.mean_over(records, f"mismatch/counterfactual/{metric}")
+    replay = repro_lib.mean_over(records, f"mismatch/{metric}")
     return free / replay if replay > 0 else float("nan")
 
 
@@ -78,15 +74,15 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         d = {}
         for short, metric in PAIRS:
             d[f"{short} replay"] = repro_lib.per_seed(
-                recs, lambda r, m=metric: _mean(r, f"mismatch/{m}")
+                recs, lambda r, m=metric: repro_lib.mean_over(r, f"mismatch/{m}")
             )
             d[f"{short} free"] = repro_lib.per_seed(
-                recs, lambda r, m=metric: _mean(r, f"mismatch/counterfactual/{m}")
+                recs, lambda r, m=metric: repro_lib.mean_over(r, f"mismatch/counterfactual/{m}")
             )
             d[f"{short} free / replay"] = repro_lib.per_seed(recs, lambda r, m=metric: _ratio(r, m))
         for key in _layers(recs[0]):
             d[f"agreement layer {key.rsplit('_', 1)[1]}"] = repro_lib.per_seed(
-                recs, lambda r, k=key: _mean(r, k)
+                recs, lambda r, k=key: repro_lib.mean_over(r, k)
             )
         d["steps"] = [len(repro_lib.series(r, "mismatch/k3_kl")[0]) for r in recs]
         d["k3 free > replay, share of steps"] = repro_lib.per_seed(recs, _share_higher)

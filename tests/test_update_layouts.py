@@ -26,7 +26,7 @@ CFG, N, TG, TP, _sc = _update.CFG, _update.N, _update.TG, _update.TP, _update._s
 @pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_unrolled_layers_make_the_same_update(packed):
-    """train.scan_layers=False (`unroll_layers`): prepare (pi_old and the reference under
+    """train.scan_layers=False: prepare (pi_old and the reference under
     replay) and the update run an unrolled loop over per-layer params, and the gradient is
     stacked back: the same prepared batch and new params as the scan, on a model with a leading
     dense layer (two layer runs). A gradient stacked in the wrong layer order, or a run
@@ -40,7 +40,7 @@ def test_unrolled_layers_make_the_same_update(packed):
     out = {}
     for unroll in (False, True):
         sc = dataclasses.replace(
-            _sc(N, model=cfg, kl_coef=0.1), unroll_layers=unroll, packing_budget=budget
+            _sc(N, model=cfg, kl_coef=0.1), scan_layers=not unroll, packing_budget=budget
         )
         prepared, _ = jax.jit(functools.partial(train_step.prepare, sc))(params, ref, batch)
         (mini,) = batching.minibatches(
@@ -82,7 +82,11 @@ def test_replay_counterfactual_measures_the_other_routing_on_the_same_batch():
     free = model_lib.forward(cfg, other, batch.tokens, attention_mask=batch.attention_mask)
     ids, want = np.asarray(free.router.expert_ids), np.asarray(batch.router.expert_ids)
     same = (ids[..., :, None] == want[..., None, :]).any(-1).mean(-1)  # [B, L, T]
-    for replay, fused, cf_mode in ((True, False, "free"), (False, True, "replay")):
+    for replay, fused, cf_mode in (
+        (True, False, "free"),
+        (False, False, "replay"),
+        (False, True, "replay"),
+    ):
         sc = dataclasses.replace(
             _sc(4, replay=replay, model=cfg), replay_counterfactual=True, fused_old_logps=fused
         )
