@@ -154,6 +154,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.rollout.max_chunk_size = 128  # rows decoded together
     c.rollout.schedule = "length_aware"  # length_aware | fifo
     c.rollout.prefill_cost = 1.0  # a re-prefilled position in decode slot-steps (CPU ~1)
+    c.rollout.steps_per_check = 1  # decode steps between loop-condition checks (GPU: more)
     c.rollout.overlap_rewards = True  # score samples while later chunks decode (False: after)
     c.rollout.detokenize = "workers"  # workers (parallel, in the reward pool) | host (serial)
     c.rollout.reward_workers = 2  # reward process pool size

@@ -69,6 +69,9 @@ class RolloutConfig:
     # length_aware: a re-prefilled position costs this many decode slot-steps (CPU ~1, GPU less);
     # a chunk ends below its rows' longest predicted length only when that saves more.
     prefill_cost: float = 1.0
+    # decode steps between checks of the decode loop's condition (`sampler.sample_chunk`): on a
+    # GPU each check is a device-to-host copy the next step waits for.
+    steps_per_check: int = 1
     overlap_rewards: bool = True  # score finished samples while later chunks decode
     detokenize: str = "workers"  # where completions are detokenized: workers | host (serial)
     reward_workers: int = 2
@@ -90,6 +93,10 @@ class RolloutConfig:
                 ),
                 "schedule": (self.schedule in SCHEDULES, " | ".join(SCHEDULES)),
                 "prefill_cost": (num(self.prefill_cost) and self.prefill_cost >= 0, ">= 0"),
+                "steps_per_check": (
+                    _is_int(self.steps_per_check) and self.steps_per_check >= 1,
+                    "an int >= 1",
+                ),
                 "overlap_rewards": (isinstance(self.overlap_rewards, bool), "True or False"),
                 "detokenize": (self.detokenize in ("workers", "host"), "workers or host"),
                 "reward_workers": (
@@ -115,6 +122,7 @@ class RolloutSpec:
     num_shards: int = 1  # data-parallel shards the plan balances chunks over (1 on one device)
     overlap_rewards: bool = True  # False: score after the last chunk decodes (the baseline)
     prefill_cost: float = 1.0  # a re-prefilled position in decode slot-steps (`plan_chunks`)
+    steps_per_check: int = 1  # decode steps between loop-condition checks (`sample_chunk`)
 
     def __post_init__(self):
         checks = {
@@ -137,6 +145,10 @@ class RolloutSpec:
                 "a number >= 0",
             ),
             "overlap_rewards": (isinstance(self.overlap_rewards, bool), "True or False"),
+            "steps_per_check": (
+                _is_int(self.steps_per_check) and self.steps_per_check >= 1,
+                "an int >= 1",
+            ),
         }
         errors.check(self, checks)
         if self.sampling.max_new_tokens > self.buckets.generation_buckets[-1]:
@@ -352,6 +364,7 @@ def _dispatch(
         model, params, jnp.asarray(tokens), jnp.asarray(mask), key,
         jnp.asarray(chunk.budget, jnp.int32), prefix, num_samples=1,
         gen_len=chunk.generation_bucket, sampling=sampling,
+        steps_per_check=step.config.steps_per_check,
     )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Protocol
@@ -238,6 +239,7 @@ def sample_chunk(
     num_samples: int,
     gen_len: int,
     sampling: SamplingParams,
+    steps_per_check: int = 1,
 ) -> SampleOutput:
     """One compiled chunk: left-padded prompts [B, Tp] -> B*G rows of at most `budget` tokens.
 
@@ -249,6 +251,12 @@ def sample_chunk(
     the prefill covers prompt + prefix and generation resumes at the row's prefix length; the
     output holds prefix + new tokens, and the trace of the prefix positions comes from that
     prefill. A row stops at a stop id or when its total generated length reaches `budget`.
+
+    `steps_per_check` decode steps run between two checks of the loop's condition (vLLM's
+    multi-step scheduling): on a GPU every check is a device-to-host copy the next step waits
+    for. The steps past the last live row are masked (every write keeps the row's value), so
+    the output is the same for any value; `num_steps` counts the steps run, rounded up to a
+    multiple of it. It is taken down to a divisor of `gen_len` (the cache has no slot past it).
     """
     if prefix is not None and num_samples != 1:
         raise ValueError(f"a prefix (continuation) needs num_samples=1, got {num_samples}")
@@ -259,14 +267,15 @@ def sample_chunk(
         model, params, prompts, prompt_mask, key, budget, prefix,
         num_samples=num_samples, gen_len=gen_len, temperature=float(sampling.temperature),
         top_p=float(sampling.top_p), top_k=int(sampling.top_k), stop_ids=sampling.stop_ids,
-        pad_id=sampling.pad_id,
+        pad_id=sampling.pad_id, steps_per_check=math.gcd(int(steps_per_check), gen_len),
     )  # fmt: skip
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "model", "num_samples", "gen_len", "temperature", "top_p", "top_k", "stop_ids", "pad_id"
+        "model", "num_samples", "gen_len", "temperature", "top_p", "top_k", "stop_ids", "pad_id",
+        "steps_per_check",
     ),
 )  # fmt: skip
 def _sample_chunk(
@@ -285,6 +294,7 @@ def _sample_chunk(
     top_k: int,
     stop_ids: tuple[int, ...],
     pad_id: int,
+    steps_per_check: int = 1,
 ) -> SampleOutput:
     """`sample_chunk` with the decoding settings as hashable statics (one compile per value)."""
     _traces[0] += 1  # runs while tracing only
@@ -327,7 +337,7 @@ def _sample_chunk(
     )
     rows = jnp.arange(R)
 
-    def body(s: _State) -> _State:
+    def step(s: _State) -> _State:
         key, sub = jax.random.split(s.key)
         token, logp, entropy = choose_tokens(
             s.logits, sub, temperature=temperature, top_p=top_p, top_k=top_k
@@ -358,6 +368,12 @@ def _sample_chunk(
                 ),
             )
         )
+
+    def body(s: _State) -> _State:
+        if steps_per_check == 1:
+            return step(s)
+        # A loop of known trip count: XLA:GPU runs it without reading a condition back.
+        return jax.lax.fori_loop(0, steps_per_check, lambda _, s: step(s), s)
 
     def cond(s: _State):
         return jnp.any(~s.done & (s.lengths < budget)) & (s.step < gen_len)
@@ -429,6 +445,7 @@ def sample(
     stop_ids: tuple[int, ...],
     pad_id: int,
     buckets: scheduling.LengthBuckets = DEFAULT_BUCKETS,
+    steps_per_check: int = 1,
 ) -> SampleOutput:
     """`num_samples` completions of each prompt (rows prompt-major), stopping at any stop id.
 
@@ -440,6 +457,7 @@ def sample(
       temperature / top_p / top_k / stop_ids / pad_id: sampling settings (temperature 0 =
         greedy), validated as `SamplingParams`.
       buckets: the prompt and generation lengths compiled for.
+      steps_per_check: decode steps between checks of the loop's condition (`sample_chunk`).
     """
     sp = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -457,5 +475,5 @@ def sample(
     return sample_chunk(
         sampling_model(model), params, jnp.asarray(prompts), jnp.asarray(mask), key,
         jnp.asarray(sp.max_new_tokens, jnp.int32), num_samples=num_samples, gen_len=gen_len,
-        sampling=sp,
+        sampling=sp, steps_per_check=steps_per_check,
     )  # fmt: skip

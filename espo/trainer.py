@@ -499,6 +499,7 @@ class _Generator:
             max_chunk_size=s.rollout.max_chunk_size,
             schedule=s.rollout.schedule,
             prefill_cost=s.rollout.prefill_cost,
+            steps_per_check=s.rollout.steps_per_check,
             overlap_rewards=s.rollout.overlap_rewards,
         )
         r = s.reward

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import pathlib
 import resource
 import sys
@@ -143,6 +144,11 @@ def main(argv=None) -> None:
     p.add_argument("--budgets", default="256,512", help="packing budgets (tokens), comma-separated")
     p.add_argument("--repeats", type=int, default=5, help="timed updates per arm (--packing)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--set",
+        default="{}",
+        help="config overrides as JSON, e.g. '{\"rollout.steps_per_check\": 8}'",
+    )
     args = p.parse_args(argv)
     if args.packing:
         return print_packing(args)
@@ -152,7 +158,9 @@ def main(argv=None) -> None:
     print(f"| {header} | peak RSS GB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for spec in args.configs.split(","):
-        r = bench(spec, steps=args.steps, warmup=args.warmup)
+        r = bench(
+            spec, steps=args.steps, warmup=args.warmup, overrides=json.loads(args.set).items()
+        )
         shares = " | ".join(f"{r[f'{ph}_share']:.0%}" for ph in (*PHASES, "host"))
         speed = f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f}"
         print(f"| {spec} | {speed} | {shares} | {r['peak_rss_gb']:.2f} |")

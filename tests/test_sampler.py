@@ -545,6 +545,37 @@ def test_continuing_from_a_prefix_equals_one_pass(params):
     chex.assert_trees_all_close(rest.replace(num_steps=whole.num_steps), whole, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_several_decode_steps_per_check_change_no_sample(params):
+    """Rows stop early (stop id 1) and at a budget (10) that is no multiple of the steps per
+    check; the steps past the last live row write nothing. Also through a continuation prefix,
+    and 6 steps per check on a 16-slot buffer (taken down to 2: a 6th step would pass the
+    cache's last slot)."""
+    one = _sample(params, max_new_tokens=10)
+    assert int(one.num_steps) % 4 != 0  # the check lands between two multiples of 4
+    four = _sample(params, max_new_tokens=10, steps_per_check=4)
+    chex.assert_trees_all_equal(four.replace(num_steps=one.num_steps), one)
+    assert int(four.num_steps) == 4 * -(-int(one.num_steps) // 4)
+    prompts, mask = sampler.left_pad(PROMPTS, LENGTHS, width=16, pad_id=0)
+    run = functools.partial(
+        sampler.sample_chunk, MODEL, params, jnp.asarray(prompts), jnp.asarray(mask),
+        jax.random.key(0), num_samples=1, gen_len=16,
+        sampling=_settings(temperature=1.0, stop_ids=(1,)),
+    )  # fmt: skip
+    first = run(jnp.asarray(16))
+    assert int(first.num_steps) == 16  # a row runs to the whole buffer
+    got = run(jnp.asarray(16), steps_per_check=6)
+    chex.assert_trees_all_equal(got, first)  # 16 steps, not 18: 2 per check
+    prefix = sampler.Prefix(
+        tokens=first.tokens, lengths=jnp.minimum(first.lengths, 3), logps=first.logps,
+        entropies=first.entropies,
+    )  # fmt: skip
+    want = run(jnp.asarray(12), prefix)
+    got = run(jnp.asarray(12), prefix, steps_per_check=4)
+    chex.assert_trees_all_equal(got.replace(num_steps=want.num_steps), want)
+    assert int(got.num_steps) % 4 == 0
+
+
 def test_the_decode_loop_keeps_every_row_array_split_over_the_batch_axes(params):
     # Layout, not values (a missing constraint changes no number): traced on an abstract
     # 2-way data mesh, every carried array with a rows axis (R = 3 prompts x 2 samples = 6,
