@@ -46,7 +46,7 @@ from espo.model import moe
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_rollout  # noqa: E402
 
-SECTIONS = ("hlo", "gmm", "decode")
+SECTIONS = ("hlo", "gmm", "fp8", "decode")
 GPU_MODEL = dict(
     vocab_size=32000, d_model=2048, num_layers=12, num_heads=16, num_kv_heads=4, head_dim=128,
     num_experts=16, top_k=2, moe_ffn_dim=1408, qk_norm=True, param_dtype="bfloat16",
@@ -242,40 +242,132 @@ def gmm_rows(impls, *, d, f, experts, top_k, dtype, row_counts, peak_gbs, timed=
     return out
 
 
+# ---- FP8 weights at decode rows: where the dequantization happens, and what it costs --------
+def _fp8_forms():
+    """x [M, D] times each of a list of [D, N] weights, per form: the bf16 weights; FP8 as the
+    model reads it now (`Fp8Tensor.astype`: values x scales, then the dot); FP8 values converted
+    in the dot and the per-channel scale applied to its output; FP8 x FP8 (activations scaled
+    per row, one f32-accumulated FP8 dot, both scales on the output)."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
+    def scale_after(x, q):
+        y = jnp.dot(x, q.values.astype(bf16), preferred_element_type=f32)
+        return (y * q.scales).astype(bf16)
+
+    def fp8_x_fp8(x, q):
+        sx = jnp.maximum(jnp.max(jnp.abs(x.astype(f32)), -1, keepdims=True), 1e-6) / quant.FP8_MAX
+        xq = (x.astype(f32) / sx).astype(quant.FP8_DTYPE)
+        y = jax.lax.dot(xq, q.values, preferred_element_type=f32)
+        return (y * sx * q.scales).astype(bf16)
+
+    return {
+        "bf16": lambda x, w: jnp.dot(x, w, preferred_element_type=f32).astype(bf16),
+        "fp8_dequant": lambda x, q: jnp.dot(x, q.astype(bf16), preferred_element_type=f32).astype(
+            bf16
+        ),
+        "fp8_scale_after": scale_after,
+        "fp8_x_fp8": fp8_x_fp8,
+    }
+
+
+def fp8_rows(*, d, n, sets, rows_list, peak_gbs, timed=True):
+    """Per (form, M): the optimized HLO's custom calls, the ops writing a whole [D, N] bf16 weight
+    (a dequantized copy materialized outside the matmul), the error against float32 dots on
+    the dequantized weights, time for `sets` weights (more bytes than the L2 holds), the form's
+    own weight bytes / time against the HBM peak, and the speed-up over bf16."""
+    keys = jax.random.split(jax.random.key(3), sets)
+    ws = [jax.random.normal(k, (d, n), jnp.float32) / np.sqrt(d) for k in keys]
+    qs = [
+        quant.quantize_tensor(w, num_in_axes=1, num_out_axes=1, granularity="channel") for w in ws
+    ]
+    out = []
+    for m in rows_list:
+        x = jax.random.normal(jax.random.key(m), (m, d), jnp.bfloat16)
+        ref = np.stack([np.asarray(x, np.float32) @ np.asarray(q.astype(jnp.float32)) for q in qs])
+        bf16_ms = None
+        for name, form in _fp8_forms().items():
+            weights = [w.astype(jnp.bfloat16) for w in ws] if name == "bf16" else qs
+            fn = jax.jit(lambda x, weights, form=form: jnp.stack([form(x, w) for w in weights]))
+            row = {"form": name, "rows": m, "d": d, "n": n, "sets": sets}
+            try:
+                text = fn.lower(x, weights).compile().as_text()
+                comps, _ = computations(text)
+                lines = [line for comp in comps.values() for _, line in comp]
+                row["custom_calls"] = sorted(
+                    {c.group(1) for ln in lines if (c := re.search(r'target="([^"]+)"', ln))}
+                )
+                whole = re.compile(rf"=\s*bf16\[{d},{n}\]")
+                row["bf16_weight_copies"] = sum(
+                    bool(whole.search(ln)) and "parameter(" not in ln for ln in lines
+                )
+                row["max_rel_err"] = _rel_err(fn(x, weights), ref)
+                if timed:
+                    ms = _steady_ms(fn, (x, weights), repeats=30)
+                    nbytes = quant.tree_bytes({"w": weights})
+                    row.update(ms=ms, gbs=nbytes / ms / 1e6, hbm=nbytes / ms / 1e6 / peak_gbs)
+                    bf16_ms = ms if name == "bf16" else bf16_ms
+                    row["speedup_over_bf16"] = bf16_ms / ms if bf16_ms else float("nan")
+            except Exception as err:
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
 # ---- decode: kernels per step, tokens/s, layer layouts, dispatch paths ------------------------
-# (weights, layers, batch, dispatch impl) of the decode section: the layout before issue 35
-# (scanned layers, XLA's ragged_dot), per-layer weights, then the "auto" dispatch (the Mosaic
-# GPU grouped matmul on Hopper) at both batches, bf16 and FP8.
+# (weights, layers, batch, dispatch impl, decode steps per loop check) of the decode section:
+# the layout before issue 35 (scanned layers, XLA's ragged_dot), per-layer weights, the "auto"
+# dispatch (the Mosaic GPU grouped matmul on Hopper), and 8 decode steps per check of the loop's
+# condition (`sampler.sample(steps_per_check=)`), bf16 and FP8. `--decode` picks others.
 DECODE_RUNS = (
-    ("base", "scan", 8, "ragged"), ("base", "per-layer", 8, "ragged"),
-    ("base", "per-layer", 8, "auto"), ("base", "per-layer", 64, "ragged"),
-    ("base", "per-layer", 64, "auto"), ("fp8", "per-layer", 8, "auto"),
-    ("fp8", "per-layer", 64, "auto"),
+    ("base", "scan", 8, "ragged", 1), ("base", "per-layer", 8, "ragged", 1),
+    ("base", "per-layer", 8, "ragged", 8), ("base", "per-layer", 8, "auto", 1),
+    ("base", "per-layer", 64, "ragged", 1), ("base", "per-layer", 64, "ragged", 8),
+    ("fp8", "per-layer", 8, "ragged", 8), ("fp8", "per-layer", 64, "ragged", 8),
 )  # fmt: skip
 
 
+def parse_runs(spec: str) -> tuple:
+    """`weights:layers:batch:impl:steps` entries, comma-separated (weights base | fp8, layers
+    scan | per-layer), as DECODE_RUNS."""
+    runs = []
+    for entry in filter(None, spec.split(",")):
+        parts = entry.split(":")
+        ok = len(parts) == 5 and parts[0] in ("base", "fp8") and parts[1] in ("scan", "per-layer")
+        if not ok or not (parts[2].isdigit() and parts[4].isdigit()):
+            raise SystemExit(
+                f"--decode entry {entry!r}: want weights:layers:batch:impl:steps, e.g. "
+                "base:per-layer:8:ragged:8 (weights base|fp8, layers scan|per-layer)"
+            )
+        runs.append((parts[0], parts[1], int(parts[2]), parts[3], int(parts[4])))
+    return tuple(runs)
+
+
 def decode_rows(cfg, *, runs=DECODE_RUNS, new_tokens, peak_gbs, repeats=2):
-    """Per (weights, layers, batch, impl): kernels per decode step, tokens/s, ms a step, and the
-    weights' bytes read per step against the HBM peak ("base": the param_dtype weights)."""
+    """Per (weights, layers, batch, impl, steps per check): kernels per decode step, tokens/s,
+    ms a step, and the weights' bytes read per step against the HBM peak ("base": the
+    param_dtype weights)."""
     base = jax.tree.map(
         lambda x: x.astype(jnp.dtype(cfg.param_dtype)), model.init(cfg, jax.random.key(0))
     )
     fp8 = quant.quantize_fp8(base)
     out = []
-    for weights, layers, batch, impl in runs:
+    for weights, layers, batch, impl, steps in runs:
         p = fp8 if weights == "fp8" else base
         m = bench_rollout.WithDispatch(cfg, impl, per_layer_params=layers == "per-layer")
         row = {"weights": weights if weights == "fp8" else cfg.param_dtype, "layers": layers,
-               "batch": batch, "impl": impl, "new_tokens": new_tokens}  # fmt: skip
+               "batch": batch, "impl": impl, "steps_per_check": steps,
+               "new_tokens": new_tokens}  # fmt: skip
         try:
             prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, 16))
-            row["kernels_per_step"] = _decode_kernels(m, p, prompts, new_tokens)
+            row["kernels_per_step"] = _decode_kernels(m, p, prompts, new_tokens, steps) / steps
             run = functools.partial(
                 sampler.sample, m, p, prompts, np.full(batch, 16), key=jax.random.key(0),
                 num_samples=1, max_new_tokens=new_tokens, stop_ids=(cfg.vocab_size,), pad_id=0,
                 buckets=scheduling.LengthBuckets(
                     prompt_buckets=(16,), generation_buckets=(new_tokens,)
                 ),
+                steps_per_check=steps,
             )  # fmt: skip
             seconds = bench_rollout._timed(lambda run=run: run().tokens, repeats)
             row["tokens_per_s"] = batch * new_tokens / seconds
@@ -288,14 +380,16 @@ def decode_rows(cfg, *, runs=DECODE_RUNS, new_tokens, peak_gbs, repeats=2):
     return out
 
 
-def _decode_kernels(m, params, prompts, new_tokens) -> int:
-    """Kernels per iteration of the compiled sampler chunk's decode loop."""
+def _decode_kernels(m, params, prompts, new_tokens, steps_per_check=1) -> int:
+    """Kernels per iteration of the compiled sampler chunk's decode loop (`steps_per_check`
+    decode steps)."""
     batch, length = prompts.shape
     p = m.decode_params(params)
     compiled = sampler._sample_chunk.lower(
         m, p, jnp.asarray(prompts), jnp.ones((batch, length), bool), jax.random.key(0),
         jnp.int32(new_tokens), None, num_samples=1, gen_len=new_tokens, temperature=1.0,
         top_p=1.0, top_k=0, stop_ids=(m.cfg.vocab_size,), pad_id=0,
+        steps_per_check=steps_per_check,
     ).compile()  # fmt: skip
     return loop_kernels(compiled.as_text())["per_iteration"]
 
@@ -305,6 +399,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="the tiny model, fewer rows (tests)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections among {SECTIONS}")
     ap.add_argument("--json", default="", help="write every row here")
+    ap.add_argument("--decode", default="", help="decode runs (parse_runs), default DECODE_RUNS")
     ap.add_argument(
         "--cache",
         default="",
@@ -333,9 +428,15 @@ def main(argv=None) -> dict:
                   peak_gbs=peak or float("nan"))  # fmt: skip
     if "hlo" in only or "gmm" in only:
         result["gmm"] = gmm_rows(impls, timed="gmm" in only, **shapes)
+    if "fp8" in only:
+        dims = dict(d=64, n=128, sets=2) if args.quick else dict(d=d, n=4 * d, sets=8)
+        result["fp8"] = fp8_rows(
+            **dims, rows_list=(8,) if args.quick else (8, 64), peak_gbs=peak or float("nan")
+        )
     if "decode" in only:
-        quick = tuple((w, layers, 2, impl) for w, layers, b, impl in DECODE_RUNS if b == 8)
-        runs = quick if args.quick else DECODE_RUNS
+        runs = parse_runs(args.decode) or DECODE_RUNS
+        if args.quick:
+            runs = tuple((w, layers, 2, impl, n) for w, layers, b, impl, n in runs if b == 8)
         result["decode"] = decode_rows(
             cfg, runs=runs, new_tokens=8 if args.quick else 128,
             peak_gbs=peak or float("nan"), repeats=1 if args.quick else 2,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from espo import model, quant
+from espo import model, quant, testing
 from espo.testing import raises_invalid
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -268,6 +268,55 @@ def test_tree_layout_bytes_and_mismatch():
     agree = jnp.mean(jnp.argmax(ref.logits, -1) == jnp.argmax(got.logits, -1))
     assert float(agree) > 0.8
     assert float(jnp.mean(ref.router.expert_ids != got.router.expert_ids)) < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_fp8_weights_multiply_as_values_then_scales(granularity):
+    """The forward on FP8 params equals the forward on their dequantized copy (float32
+    compute) on every dispatch path, stacked or per-layer weights; with per-channel scales no
+    multiply writes a weight-shaped array (the dequantized copy XLA:GPU would materialize):
+    the scales go on the products (`quant.ScaledWeight`). Per-block scales keep the copy."""
+    cfg = model.ModelConfig.tiny(num_layers=2, d_model=48, moe_ffn_dim=40, num_experts=6)
+    params = model.init(cfg, jax.random.key(0))
+    q = quant.quantize_fp8(params, granularity=granularity, block_size=16, keep_dtype="float32")
+    dq = quant.dequantize(q, "float32")
+    tokens = jax.random.randint(jax.random.key(1), (3, 7), 0, cfg.vocab_size)
+    m = model.Model(cfg)
+    for impl in ("ragged", "capacity", "blocked"):
+        forward = jax.jit(functools.partial(model.forward, cfg, dispatch_impl=impl))
+        want = forward(dq, tokens)
+        for p in (q, m.decode_params(q)):
+            got = forward(p, tokens)
+            np.testing.assert_allclose(got.logits, want.logits, rtol=2e-5, atol=2e-5)
+            np.testing.assert_array_equal(got.router.expert_ids, want.router.expert_ids)
+    weight_shapes = set()  # each weight's shape and its [*lead, in, out] view
+    for leaf in jax.tree.leaves(m.decode_params(q), is_leaf=lambda x: hasattr(x, "scales")):
+        if isinstance(leaf, quant.Fp8Tensor):
+            n_out, n_lead = (
+                leaf.num_out_axes,
+                leaf.values.ndim - leaf.num_in_axes - leaf.num_out_axes,
+            )
+            lead, out = leaf.shape[:n_lead], leaf.shape[leaf.values.ndim - n_out :]
+            weight_shapes |= {
+                leaf.shape,
+                (*lead, leaf.values.size // math.prod((*lead, *out)), math.prod(out)),
+            }
+    jaxpr = jax.make_jaxpr(functools.partial(model.forward, cfg, dispatch_impl="ragged"))(
+        m.decode_params(q), tokens
+    ).jaxpr
+    copies = [
+        eqn
+        for eqn, _ in testing.jaxpr_equations(jaxpr)
+        if eqn.primitive.name == "mul" and tuple(eqn.outvars[0].aval.shape) in weight_shapes
+    ]
+    assert len(copies) == (0 if granularity == "channel" else 2 * 4 + 2 * 3)
+    # A ScaledWeight's dense form is the dequantized weight (experts: a leading axis).
+    w = q["blocks_0"]["moe"]["gate_proj"]
+    if granularity == "channel":
+        scaled = quant.compute_weight(w, jnp.float32)
+        assert isinstance(scaled, quant.ScaledWeight) and scaled.scale.shape == (2, 6, 40)
+        np.testing.assert_allclose(scaled.dense(), w.astype(jnp.float32), rtol=1e-6)
 
 
 # ---------------------------------------------------------------- mutation audit (issue 13)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from espo import quant
 from espo.model import config as config_lib
 
 # Finite mask value: a query row with no visible key (a padding query) gets a uniform, finite
@@ -149,9 +150,10 @@ class Attention(nn.Module):
         wv = self.param("v_proj", _dense_init(D), (D, N, Dh), pd)
         wo = self.param("o_proj", _dense_init(H * Dh), (H, Dh, D), pd)
 
-        q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))  # [B, T, H, Dh]
-        k = jnp.einsum("btd,dnk->btnk", x, wk.astype(dt))  # [B, T, N, Dh]
-        v = jnp.einsum("btd,dnk->btnk", x, wv.astype(dt))  # [B, T, N, Dh]
+        # quant.project: jnp.einsum(eq, x, w.astype(dt)), an FP8 weight's scales after the dot.
+        q = quant.project("btd,dhk->bthk", x, wq, dt)  # [B, T, H, Dh]
+        k = quant.project("btd,dnk->btnk", x, wk, dt)  # [B, T, N, Dh]
+        v = quant.project("btd,dnk->btnk", x, wv, dt)  # [B, T, N, Dh]
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_eps, pd, name="q_norm")(q)
             k = RMSNorm(cfg.rms_eps, pd, name="k_norm")(k)
@@ -182,7 +184,7 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(dt).reshape(B, N, T * G, -1)
         out = jax.lax.dot_general(probs, values.astype(dt), (((3,), (2,)), batch_dims))
         out = out.reshape(B, N, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
-        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_kv  # [B, T, D]
+        return quant.project("bthk,hkd->btd", out, wo, dt), new_kv  # [B, T, D]
 
 
 class SwiGLU(nn.Module):
@@ -198,5 +200,6 @@ class SwiGLU(nn.Module):
         w_gate = self.param("gate_proj", _dense_init(D), (D, F), pd)
         w_up = self.param("up_proj", _dense_init(D), (D, F), pd)
         w_down = self.param("down_proj", _dense_init(F), (F, D), pd)
-        h = jax.nn.silu(x @ w_gate.astype(dt)) * (x @ w_up.astype(dt))  # [..., F]
-        return h @ w_down.astype(dt)  # [..., D]
+        matmul = lambda a, w: quant.project("...d,df->...f", a, w, dt)
+        h = jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up)  # [..., F]
+        return matmul(h, w_down)  # [..., D]

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import errors, sharding
+from espo import errors, quant, sharding
 from espo.model import config as config_lib
 from espo.model import grouped, layers
 
@@ -162,7 +162,16 @@ def expert_ffn(
 
     Rows past `sum(group_sizes)` belong to no expert and come back as zeros. `capacity` (static,
     "capacity" only): rows per expert of the batched matmul; `capacity_for(R, E)` by default.
+    The weights may be `quant.ScaledWeight`s (FP8 rollouts): "ragged" applies each row's
+    expert's scales to its products, the other paths multiply them into the weights first.
     """
+    scaled = [isinstance(w, quant.ScaledWeight) for w in (w_gate, w_up, w_down)]
+    if impl == "ragged" and any(scaled):
+        return _scaled_ragged_ffn(xs, group_sizes, w_gate, w_up, w_down)
+    if any(scaled):
+        w_gate, w_up, w_down = (
+            w.dense() if s else w for w, s in zip((w_gate, w_up, w_down), scaled, strict=True)
+        )
     if impl == "ragged":
         h = _swiglu_rows(
             jax.lax.ragged_dot(xs, w_gate, group_sizes), jax.lax.ragged_dot(xs, w_up, group_sizes)
@@ -177,6 +186,23 @@ def expert_ffn(
     if impl == "mosaic_gpu":
         return grouped.swiglu_experts(xs, group_sizes, w_gate, w_up, w_down)
     raise errors.InvalidValue("dispatch", "impl", impl, f"one of {DISPATCH_IMPLS[1:]}")
+
+
+def _scaled_ragged_ffn(xs, group_sizes, w_gate, w_up, w_down):
+    """The "ragged" path on `quant.ScaledWeight`s: ragged dots on the values (float32
+    accumulation), each row times its expert's output scales."""
+    row_expert = jnp.repeat(  # rows past the groups: the last expert's scales times zeros
+        jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=xs.shape[0]
+    )
+
+    def matmul(x, w):
+        if not isinstance(w, quant.ScaledWeight):
+            return jax.lax.ragged_dot(x, w, group_sizes)
+        y = jax.lax.ragged_dot(x, w.values, group_sizes, preferred_element_type=jnp.float32)
+        return (y * w.scale[row_expert]).astype(xs.dtype)
+
+    h = _swiglu_rows(matmul(xs, w_gate), matmul(xs, w_up))  # [R, F]
+    return matmul(h, w_down)  # [R, D]
 
 
 def capacity_for(rows: int, experts: int) -> int:
@@ -671,9 +697,10 @@ class MoeBlock(nn.Module):
             xf,
             ids,
             weights.astype(dt),
-            w_gate.astype(dt),
-            w_up.astype(dt),
-            w_down.astype(dt),
+            # w.astype(dt), or an FP8 weight's values and scales (quant.ScaledWeight)
+            quant.compute_weight(w_gate, dt),
+            quant.compute_weight(w_up, dt),
+            quant.compute_weight(w_down, dt),
             impl=self.impl,
         )  # [M, D]
         if cfg.shared_expert_ffn_dim:

@@ -57,3 +57,23 @@ def test_hlo_summary_sees_xla_cpu_run_ragged_dot_dense_over_the_experts(bench):
         ratio[impl] = bench.hlo_summary(compiled, useful)["flops_over_useful"]
     assert experts * 0.9 < ratio["ragged"] < experts * 1.2  # every row times every expert
     assert ratio["capacity"] < 3
+
+
+@pytest.mark.slow
+def test_fp8_forms_compute_the_dequantized_product(bench):
+    """Every FP8 matmul form the benchmark times is the product with the dequantized weights
+    (FP8 x FP8 up to its activation rounding), so a timing compares like with like."""
+    rows = bench.fp8_rows(d=32, n=64, sets=2, rows_list=(4,), peak_gbs=1.0, timed=False)
+    err = {r["form"]: r["max_rel_err"] for r in rows}
+    assert set(err) == {"bf16", "fp8_dequant", "fp8_scale_after", "fp8_x_fp8"}
+    assert err["fp8_dequant"] < 1e-2 and err["fp8_scale_after"] < 1e-2
+    assert err["fp8_x_fp8"] < 0.1 and err["bf16"] < 0.1  # activation / weight rounding
+
+
+def test_decode_runs_parse_and_a_bad_entry_names_the_format(bench):
+    assert bench.parse_runs("fp8:per-layer:64:ragged:8,base:scan:8:auto:1") == (
+        ("fp8", "per-layer", 64, "ragged", 8),
+        ("base", "scan", 8, "auto", 1),
+    )
+    with pytest.raises(SystemExit, match="weights:layers:batch:impl:steps"):
+        bench.parse_runs("bf16:per-layer:8:ragged")
