@@ -138,6 +138,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.data.difficulty_field = ""  # optional record field with a difficulty in [0, 1]
     c.data.eval_path = ""  # separate held-out file; "" = split by eval_fraction
     c.data.eval_fraction = 0.1  # held-out share (by a stable hash of the prompt text)
+    c.data.train_max_samples = 0  # the training pool: its first this many examples (0: all)
     c.data.skip_bad_records = False  # True: skip and count malformed records instead of failing
     c.data.worked_solutions = False  # reasoning_gym + / -: binary steps a line (configs/arithmetic)
     c.data.max_prompt_length = 48  # prompts longer than this (tokens) are skipped (verl's filter)

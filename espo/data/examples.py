@@ -131,6 +131,9 @@ class DataConfig:
     # for tfds a split name of the same dataset (e.g. "test"). Empty: split by eval_fraction.
     eval_path: str = ""
     eval_fraction: float = 0.1  # held-out share, chosen by a stable hash of the prompt text
+    # The training pool: its first this many examples, the held-out set unchanged (0: all;
+    # verl's data.train_max_samples). A small pool is revisited every few steps.
+    train_max_samples: int = 0
     seed: int = 0  # reasoning_gym generation seed and the stream's shuffle seed
     skip_bad_records: bool = False  # skip (and count) malformed records instead of failing
     # reasoning_gym + / - arithmetic: warm-start demonstrations work the expression one step a
@@ -154,7 +157,7 @@ class DataConfig:
         for name in ("difficulty_field", "eval_path"):
             if not isinstance(getattr(self, name), str):
                 raise _invalid(owner, name, getattr(self, name), "a str")
-        for name in ("size", "seed", "min_terms", "max_terms"):
+        for name in ("size", "seed", "min_terms", "max_terms", "train_max_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise _invalid(owner, name, value, "an int")
@@ -162,6 +165,10 @@ class DataConfig:
             raise _invalid(owner, "size", self.size, "an int >= 1")
         if self.seed < 0:
             raise _invalid(owner, "seed", self.seed, "an int >= 0")
+        if self.train_max_samples < 0:
+            raise _invalid(
+                owner, "train_max_samples", self.train_max_samples, "an int >= 0 (0: all)"
+            )
         if self.min_terms < 2:
             raise _invalid(owner, "min_terms", self.min_terms, "an int >= 2")
         if self.max_terms < self.min_terms:

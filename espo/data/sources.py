@@ -89,6 +89,8 @@ def make_sources(cfg: examples_lib.DataConfig) -> tuple[Source, Source]:
         train = [e for e, h in zip(everything, held, strict=True) if not h]
         held_out = [e for e, h in zip(everything, held, strict=True) if h]
         eval_skipped = 0
+    if cfg.train_max_samples:
+        train = train[: cfg.train_max_samples]
     train_source = Source(
         name=f"{cfg.source}:{dataset} (train)", examples=train, num_skipped=train_skipped
     )

@@ -165,6 +165,20 @@ def test_held_out_split_is_disjoint_by_prompt_and_stable(tmp_path, write_lines):
     assert [e.id for e in again_train] == [e.id for e in train]
 
 
+def test_train_max_samples_keeps_the_first_training_examples_and_the_held_out_set(
+    tmp_path, write_lines
+):
+    records = [{"prompt": f"q{i}", "answer": str(i)} for i in range(200)]
+    path = write_lines(tmp_path / "pool.jsonl", records)
+    cfg = _cfg(source="jsonl", path=str(path), eval_fraction=0.25)
+    train, held_out = sources.make_sources(cfg)
+    small, small_held = sources.make_sources(dataclasses.replace(cfg, train_max_samples=10))
+    assert [e.id for e in small] == [e.id for e in train][:10]
+    assert [e.id for e in small_held] == [e.id for e in held_out]
+    more, _ = sources.make_sources(dataclasses.replace(cfg, train_max_samples=10**6))
+    assert len(more) == len(train)
+
+
 def test_eval_subset_is_distinct_and_round_robin_over_groups():
     def ex(group, i, prompt):
         return examples.Example(
@@ -238,6 +252,8 @@ def test_unknown_extension_and_missing_file(tmp_path):
         ({"tasks": " ; "}, "tasks"),
         ({"eval_path": "x.jsonl"}, "eval_path"),
         ({"skip_bad_records": "yes"}, "skip_bad_records"),
+        ({"train_max_samples": -1}, "train_max_samples"),
+        ({"train_max_samples": 2.5}, "train_max_samples"),
     ],
 )
 def test_data_config_errors(kw, field):
