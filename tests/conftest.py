@@ -6,6 +6,9 @@
 - XLA's CPU backend at optimisation level 0: the tiny test programs spend most of their time
   compiling, and LLVM's optimisation passes are a third of that (the 8-device sharded steps:
   44 s -> 29 s for the single-device reference); subprocesses inherit it through XLA_FLAGS;
+- the trainer's end-of-run plots (`espo.plots.plot_run`) lay out every run's metrics for real
+  but draw no pixels, except in tests/test_plots.py, tests marked `draws_plots` and the
+  module-scoped runs set up before any test's patch (see `_plots_without_pixels`);
 - hypothesis: no deadline (jit compiles make the first example slow) and a bounded example count;
 - in CI (`CI=true`) a skipped test is a failure: a missing install or a wrongly guarded test
   shows up red instead of hiding as a skip. Locally skips stay skips.
@@ -66,6 +69,28 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _fail_skip(outcome.get_result())
+
+
+@pytest.fixture(autouse=True)
+def _plots_without_pixels(request, monkeypatch):
+    """The trainer ends every run with `plots.plot_run`: ~100 matplotlib panels, ~9 s of a tiny
+    run's ~20 s, in the ~50 runs of the suite, of which only tests/test_trainer.py's `straight`
+    run (module-scoped, so set up before this patch) looks at the pictures. Here `_draw` reads
+    each panel's series and writes an empty file: which panels and files a run's metrics make
+    (`layout`, `collect_series`) is still computed for every run; the pixels are tested in
+    tests/test_plots.py (unpatched) and on the `straight` run. Subprocesses are not patched."""
+    if request.node.get_closest_marker("draws_plots") or request.path.name == "test_plots.py":
+        return
+    from espo import plots
+
+    def draw(path, title, axes_spec, series):
+        for _, keys in axes_spec:
+            for key in keys:
+                steps, values = series[key]
+                assert len(steps) == len(values), key
+        path.write_bytes(b"")
+
+    monkeypatch.setattr(plots, "_draw", draw)
 
 
 @pytest.fixture

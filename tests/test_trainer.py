@@ -97,7 +97,8 @@ def test_tiny_run_writes_what_a_user_sees(straight):
         set(saved) >= {"start", "final", "steps", "wall_s"} and summary["final"] == saved["final"]
     )
     assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
-    assert list((workdir / "plots").glob("*.png"))
+    pngs = list((workdir / "plots").glob("*.png"))  # real pictures: `straight` is set up
+    assert pngs and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)  # before conftest's patch
     assert list((workdir / "tensorboard").rglob("events.out.tfevents*"))
 
 
