@@ -125,6 +125,12 @@ def num_den_grad(cfg):
 # ---- train batches -----------------------------------------------------------------------------
 
 
+@functools.cache
+def _jit_on_config(fn):
+    """`fn(cfg, ...)` jitted with its config static (one jit object per function)."""
+    return jax.jit(fn, static_argnums=0)
+
+
 def random_train_batch(
     cfg, *, num_rows: int, prompt_length: int, generation_length: int, seed: int = 0,
     lengths: tuple[np.ndarray, np.ndarray] | None = None,
@@ -138,7 +144,12 @@ def random_train_batch(
 
     N, TP, TG = num_rows, prompt_length, generation_length
     rng = np.random.default_rng(seed)
-    params = model_lib.init(cfg, jax.random.key(seed))
+    # Jitted (one compile per config, then ~0 s): op by op, init and the two forwards took ~4 s
+    # a batch on 2 CPU cores, in each of the many tests that build one.
+    init, forward, token_logps = map(
+        _jit_on_config, (model_lib.init, model_lib.forward, train_step.token_logps)
+    )
+    params = init(cfg, jax.random.key(seed))
     tokens = rng.integers(2, cfg.vocab_size, (N, TP + TG)).astype(np.int32)
     plen, clen = lengths or (rng.integers(1, TP + 1, N), rng.integers(1, TG + 1, N))
     plen, clen = np.asarray(plen)[:, None], np.asarray(clen)[:, None]
@@ -148,9 +159,9 @@ def random_train_batch(
     valid = np.ones(N, bool)
     valid[1] = False  # a failed reward: no loss token, so micro-batch denominators differ
     loss_mask &= valid[:, None]
-    out = model_lib.forward(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(attn))
+    out = forward(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(attn))
     ids = np.where(attn[:, None, :, None], np.asarray(out.router.expert_ids), -1)
-    logps = np.asarray(train_step.token_logps(cfg, params, tokens, attn).logps)
+    logps = np.asarray(token_logps(cfg, params, tokens, attn).logps)
     noise = rng.normal(0, 0.1, logps.shape).astype(np.float32)
     on_loss = lambda x: np.where(loss_mask, x, 0.0).astype(np.float32)
     batch = batching.TrainBatch(

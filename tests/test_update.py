@@ -73,9 +73,11 @@ def test_micro_batches_accumulate_exactly(name, loss):
     np.testing.assert_allclose(m1["loss/loss"], m4["loss/loss"], rtol=1e-5, atol=1e-7)
     assert float(m1["optim/grad_norm"]) > 0
     # A mean of per-micro-batch losses (the classic accumulation bug) differs here.
-    sc = _sc(2, name=name, model=cfg, **loss)
+    micro_loss = jax.jit(
+        functools.partial(train_step._micro_loss, _sc(2, name=name, model=cfg, **loss))
+    )
     micro = batching.split(batch, 4)
-    outs = [train_step._micro_loss(sc, params, jax.tree.map(operator.itemgetter(i), micro))[1][0]
+    outs = [micro_loss(params, jax.tree.map(operator.itemgetter(i), micro))[1][0]
             for i in range(4)]  # fmt: skip
     assert abs(np.mean([o.loss for o in outs]) - float(m1["loss/loss"])) > 1e-4
 
@@ -91,7 +93,7 @@ def test_update_gradient_matches_loss_by_hand():
         value, (out, _) = train_step._micro_loss(sc, p, batch)
         return value / out.denominator
 
-    grads = jax.grad(objective)(params)
+    grads = jax.jit(jax.grad(objective))(params)
     expected = jax.tree.map(lambda p, g: p - g, params, grads)
     chex.assert_trees_all_close(new.params, expected, atol=2e-6, rtol=1e-5)
 
@@ -148,8 +150,9 @@ def test_the_update_measures_router_agreement_from_its_own_forward():
         batch, params = testing.random_train_batch(
             cfg, num_rows=N, prompt_length=TP, generation_length=TG, seed=5
         )
-        other = model_lib.init(cfg, jax.random.key(99))
-        free = model_lib.forward(cfg, other, batch.tokens, attention_mask=batch.attention_mask)
+        other = jax.jit(model_lib.init, static_argnums=0)(cfg, jax.random.key(99))
+        forward = jax.jit(model_lib.forward, static_argnums=0)
+        free = forward(cfg, other, batch.tokens, attention_mask=batch.attention_mask)
         ids, want = np.asarray(free.router.expert_ids), np.asarray(batch.router.expert_ids)
         same = (ids[..., :, None] == want[..., None, :]).any(-1).mean(-1)  # [B, L, T]
         mask = batch.loss_mask[:, None, :] & (want[..., 0] >= 0)
@@ -199,7 +202,7 @@ def test_correction_reaches_the_loss_and_prepare_reports_it():
     # The step's loss: its denominator (GRPO token-mean) is the kept tokens, computed from the
     # batch's old log-probs and the rollout's.
     micro = jax.tree.map(operator.itemgetter(slice(0, 4)), out)
-    loss_out = train_step._micro_loss(sc, params, micro)[1][0]
+    loss_out = jax.jit(functools.partial(train_step._micro_loss, sc))(params, micro)[1][0]
     old_rho = np.exp(np.asarray(micro.old_logps) - np.asarray(micro.sampler_logps))
     kept = np.asarray(micro.loss_mask) & (old_rho >= 0.9) & (old_rho <= 1.1)
     assert float(loss_out.denominator) == kept.sum() < np.asarray(micro.loss_mask).sum()
