@@ -1,26 +1,32 @@
 """Zero-variance elimination in training, with the real trainer: where the rollouts go.
 
-Run:  python experiments/repro_zve_training.py [--preset quick|cpu|large] [--seeds 0]
+Run:  python experiments/repro_zve_training.py [--preset default|quick] [--seeds 0,1,2]
                                                [--arms plain,resample,rl_zvp,full] [--out DIR]
 
 "Each Prompt Matters" spends no rollout on prompts whose group rewards are all equal. Four arms
-train GRPO on the embedded default (`configs/default.py`) from one shared warm start, adding the
-stages cumulatively (experiments/repro_zve.py measures the same stages on a simulated policy):
+train GRPO on the embedded default (`configs/default.py`, make run's settings) from one shared
+warm start, adding the stages cumulatively (experiments/repro_zve.py measures the same stages on
+a simulated policy):
 - plain:    GRPO as it is: zero-variance groups reach the optimiser with advantage 0
             (zve.mode=rl_zvp with advantage.rl_zvp_alpha=0), no pre-filter, fixed G;
 - resample: DAPO-style refill (zve.mode=resample): ZVP groups are dropped and more prompts drawn;
 - rl_zvp:   ZVP groups kept with RL-ZVP's entropy-shaped advantages (alpha 0.1);
 - full:     rl_zvp + the online pass-rate pre-filter (zve.prefilter=drop) + adaptive G (up to
             zve.max_group_size=16): the default pipeline.
-Written to OUT (default runs/repro/zve_training): results.md / results.json (per arm: rollouts
-generated in total, rollouts per informative group, the share of the optimiser's rollouts with
-zero advantage and of loss tokens with a gradient, the ZVP rate of the rollouts, held-out
-pass@1 at the end) and heldout.png
-(held-out accuracy against rollouts spent: the x axis is compute, not steps) and zve.png.
+The regime the stages exist for (issue 33): the training pool is cut to its first POOL prompts
+(`data.train_max_samples`), so 30 steps of 16 prompts cycle it 3 times and the pre-filter and
+adaptive G have pass-rate histories to act on; the held-out test set is make run's (its first
+EVAL_PROMPTS prompts, evaluated every 5 steps). The metric, named before the runs: rollouts
+generated (and training seconds) until held-out greedy pass@1 first reaches TARGET; then the
+final pass@1 with its 95% t-interval over seeds, the ZVP rate of the generated groups and the
+share of loss tokens with a gradient. Written to OUT (default runs/repro/zve_training):
+results.md / results.json, heldout.png (held-out accuracy against rollouts spent: the x axis is
+compute, not steps) and zve.png.
 """
 
 from __future__ import annotations
 
+import math
 import pathlib
 import sys
 
@@ -50,6 +56,21 @@ ARMS = {
     ),  # fmt: skip
 }
 ROLLOUTS = "train/rollouts"  # rollouts generated in a step (refills included)
+NAME = "default"  # configs/default.py, make run's task
+POOL, EVAL_PROMPTS, TARGET = 160, 512, 0.85
+COMMON = {
+    "data.train_max_samples": POOL,  # 10 steps of 16 prompts an epoch
+    "eval.every_steps": 5,
+    "eval.num_prompts": EVAL_PROMPTS,  # +-4 points (95%) at pass@1 0.8
+}
+
+
+def to_target(records: list[dict], x: str, target: float = TARGET) -> float:
+    """The sum of per-step `x` (rollouts, seconds) up to the first eval whose held-out greedy
+    pass@1 reaches `target`; inf when none does."""
+    xs, ys = repro_lib.series(records, "eval/pass@1", x=x)
+    hit = [float(a) for a, y in zip(xs, ys, strict=True) if y >= target]
+    return hit[0] if hit else math.inf
 
 
 def total(records: list[dict], key: str) -> float:
@@ -58,6 +79,8 @@ def total(records: list[dict], key: str) -> float:
 
 def summarize(runs, arm_list) -> tuple[list[str], dict]:
     cols = {
+        f"rollouts to pass@1 {TARGET}": lambda r: to_target(r, ROLLOUTS),
+        f"train s to pass@1 {TARGET}": lambda r: to_target(r, "perf/step_s"),
         "rollouts": lambda r: total(r, ROLLOUTS),
         "informative groups": lambda r: total(r, "zve/informative_groups_generated"),
         "rollouts / informative group": lambda r: (
@@ -79,7 +102,16 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "groups; ± is the std over seeds. Every arm optimises train.prompts_per_step groups a "
         "step, so arms that refill spend more rollouts a step."
     )
-    return [table, notes], data
+    target = repro_lib.markdown_table(
+        ["arm", f"rollouts to pass@1 {TARGET} per seed", "final pass@1 (95% CI over seeds)",
+         "pass@1 change (95% CI)"],
+        [[a.title,
+          " / ".join("not reached" if math.isinf(v) else f"{v:.0f}"
+                     for v in data[a.name][f"rollouts to pass@1 {TARGET}"]),
+          repro_lib.ci(data[a.name]["pass@1 end"]), repro_lib.ci(data[a.name]["pass@1 change"])]
+         for a in arm_list],
+    )  # fmt: skip
+    return [target, table, notes], data
 
 
 def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
@@ -99,16 +131,14 @@ def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> dict:
-    args, arm_list = repro_lib.parse_arms(__doc__, argv, out="runs/repro/zve_training", arms=ARMS)
-    return repro_lib.experiment(
-        args,
-        argv,
-        arm_list,
-        script="repro_zve_training.py",
-        title="Zero-variance elimination in training",
-        summarize=summarize,
-        plots=plots,
+    args, arm_list = repro_lib.parse_arms(
+        __doc__, argv, out="runs/repro/zve_training", arms=ARMS, preset="default", seeds="0,1,2"
     )
+    return repro_lib.experiment(
+        args, argv, arm_list, script="repro_zve_training.py",
+        title="Zero-variance elimination in training", summarize=summarize, plots=plots,
+        common=COMMON, name=NAME,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

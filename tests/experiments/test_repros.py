@@ -89,8 +89,8 @@ def test_replay_paired_quick(out):
 @pytest.mark.slow
 def test_zve_training_quick(out):
     repro = _load("repro_zve_training")
-    argv = ["--quick", "--arms", "plain,rl_zvp", "--out", str(out / "zve")]
-    data = repro.main([*argv, "--warm-start", str(out / "warm"), "--no-progress"])
+    argv = ["--quick", "--seeds", "0", "--arms", "plain,rl_zvp", "--out", str(out / "zve")]
+    data = repro.main([*argv, "--warm-start", str(out / "warm_default"), "--no-progress"])
     plain, rl_zvp = data["plain"], data["rl_zvp"]
     # Same rollouts (same seed, same warm start); RL-ZVP gives the zero-variance groups'
     # tokens a gradient that plain GRPO's zero advantages do not.
@@ -99,6 +99,21 @@ def test_zve_training_quick(out):
     assert plain["ZVP share of optimiser batch"][0] > 0
     assert rl_zvp["tokens with gradient"][0] > plain["tokens with gradient"][0]
     assert (out / "zve" / "heldout.png").exists()
+    assert "rollouts to pass@1" in (out / "zve" / "results.md").read_text()
+
+
+def test_zve_rollouts_to_target_count_up_to_the_first_eval_that_reaches_it():
+    repro = _load("repro_zve_training")
+    records = [
+        {"step": 0, "eval/pass@1": 0.7},
+        {"step": 1, "train/rollouts": 128.0},
+        {"step": 2, "train/rollouts": 160.0, "eval/pass@1": 0.84},
+        {"step": 3, "train/rollouts": 128.0, "eval/pass@1": 0.86},
+        {"step": 4, "train/rollouts": 128.0, "eval/pass@1": 0.90},
+    ]
+    assert repro.to_target(records, "train/rollouts", 0.85) == 416.0
+    assert repro.to_target(records, "train/rollouts", 0.7) == 0.0  # the warm start already
+    assert repro.to_target(records, "train/rollouts", 0.95) == float("inf")
 
 
 @pytest.mark.slow
