@@ -20,6 +20,9 @@ in the same run):
           B=8 and B=64, the layers as a scan over stacked [L, ...] weights (the GPU layout
           before issue 35) or unrolled over per-layer weights (`Model.decode_params` now), and
           XLA's ragged_dot against the "auto" dispatch (`DECODE_RUNS`).
+  attention: decode tokens/s with attention over the whole cache buffer against the filled
+          slots only (`layers.decode_attention`, CPU), at 1024 and 4096 new tokens, B=8,
+          alternated in one process.
 On a GPU the model is bench_rollout.py's 1.2B MoE (D=2048, F=1408, 16 experts top-2, 12 layers,
 bf16); elsewhere configs/default.py's model class in float32 (--quick: the tiny one).
 `experiments/gpu_check.sh` runs this first on a lent GPU.
@@ -35,18 +38,19 @@ import pathlib
 import re
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from espo import model, quant, sampler, scheduling
-from espo.model import moe
+from espo.model import layers, moe
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_rollout  # noqa: E402
 
-SECTIONS = ("hlo", "gmm", "fp8", "decode")
+SECTIONS = ("hlo", "gmm", "fp8", "decode", "attention")
 GPU_MODEL = dict(
     vocab_size=32000, d_model=2048, num_layers=12, num_heads=16, num_kv_heads=4, head_dim=128,
     num_experts=16, top_k=2, moe_ffn_dim=1408, qk_norm=True, param_dtype="bfloat16",
@@ -352,10 +356,10 @@ def decode_rows(cfg, *, runs=DECODE_RUNS, new_tokens, peak_gbs, repeats=2):
     )
     fp8 = quant.quantize_fp8(base)
     out = []
-    for weights, layers, batch, impl, steps in runs:
+    for weights, layout, batch, impl, steps in runs:
         p = fp8 if weights == "fp8" else base
-        m = bench_rollout.WithDispatch(cfg, impl, per_layer_params=layers == "per-layer")
-        row = {"weights": weights if weights == "fp8" else cfg.param_dtype, "layers": layers,
+        m = bench_rollout.WithDispatch(cfg, impl, per_layer_params=layout == "per-layer")
+        row = {"weights": weights if weights == "fp8" else cfg.param_dtype, "layers": layout,
                "batch": batch, "impl": impl, "steps_per_check": steps,
                "new_tokens": new_tokens}  # fmt: skip
         try:
@@ -377,6 +381,35 @@ def decode_rows(cfg, *, runs=DECODE_RUNS, new_tokens, peak_gbs, repeats=2):
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         out.append(row)
         print(json.dumps(row), flush=True)
+    return out
+
+
+def attention_rows(cfg, *, lengths, batch, alternations=2):
+    """Decode tokens/s with attention over the whole cache buffer against the filled slots only
+    (`layers.decode_attention`, in blocks of DECODE_BLOCK), per generation length, the two
+    alternated in this process (a machine under other load slows both alike)."""
+    params = model.init(cfg, jax.random.key(0))
+    prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, 16))
+    out = []
+    for n in lengths:
+        for i in range(alternations):
+            for arm, block in (("whole", 10**9), ("blocked", layers.DECODE_BLOCK)):
+                with mock.patch.object(layers, "DECODE_BLOCK", block):
+                    jax.clear_caches()  # the block size is read while tracing
+                    run = functools.partial(
+                        sampler.sample, cfg, params, prompts, np.full(batch, 16),
+                        key=jax.random.key(0), num_samples=1, max_new_tokens=n,
+                        stop_ids=(cfg.vocab_size,), pad_id=0,
+                        buckets=scheduling.LengthBuckets(
+                            prompt_buckets=(16,), generation_buckets=(n,)
+                        ),
+                    )  # fmt: skip
+                    seconds = bench_rollout._timed(lambda run=run: run().tokens, 1)
+                row = {"arm": arm, "alternation": i, "batch": batch, "new_tokens": n,
+                       "tokens_per_s": batch * n / seconds,
+                       "ms_per_step": 1e3 * seconds / n}  # fmt: skip
+                out.append(row)
+                print(json.dumps(row), flush=True)
     return out
 
 
@@ -433,6 +466,11 @@ def main(argv=None) -> dict:
         result["fp8"] = fp8_rows(
             **dims, rows_list=(8,) if args.quick else (8, 64), peak_gbs=peak or float("nan")
         )
+    if "attention" in only:
+        result["attention"] = attention_rows(
+            cfg, lengths=(32,) if args.quick else (1024, 4096), batch=2 if args.quick else 8,
+            alternations=1 if args.quick else 2,
+        )  # fmt: skip
     if "decode" in only:
         runs = parse_runs(args.decode) or DECODE_RUNS
         if args.quick:

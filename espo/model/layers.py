@@ -162,6 +162,12 @@ class Attention(nn.Module):
 
         k = jnp.swapaxes(k, 1, 2)  # [B, N, T, Dh]
         v = jnp.swapaxes(v, 1, 2)  # [B, N, T, Dh]
+        B, T = x.shape[:2]
+        G = H // N  # query heads per kv head (head h = n * G + g, as Hugging Face's repeat_kv)
+        # Dots with (B, N) as leading batch dims and the cache in [B, N, S, Dh]: XLA runs them
+        # without transposing the cache (3x faster decode on CPU than an einsum over T, G).
+        q = q.reshape(B, T, N, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, N, T * G, Dh)
+        batch_dims = ((0, 1), (0, 1))
         if kv is None:
             keys, values, new_kv = k, v, None
         else:
@@ -169,22 +175,81 @@ class Attention(nn.Module):
             start = (layer, 0, 0, write_index, 0)
             cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype)[None], start)
             cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype)[None], start)
-            keys, values = cache_k[layer], cache_v[layer]  # [B, N, S, Dh]
             new_kv = (cache_k, cache_v)
-
-        B, T = x.shape[:2]
-        G = H // N  # query heads per kv head (head h = n * G + g, as Hugging Face's repeat_kv)
-        # Dots with (B, N) as leading batch dims and the cache in [B, N, S, Dh]: XLA runs them
-        # without transposing the cache (3x faster decode on CPU than an einsum over T, G).
-        q = q.reshape(B, T, N, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, N, T * G, Dh)
-        batch_dims = ((0, 1), (0, 1))
-        logits = jax.lax.dot_general(q, keys.astype(dt), (((3,), (3,)), batch_dims))
-        logits = logits.astype(jnp.float32).reshape(B, N, T, G, -1) * (Dh**-0.5)  # [B,N,T,G,S]
-        logits = jnp.where(mask[:, None, :, None, :], logits, _MASK_VALUE)
-        probs = jax.nn.softmax(logits, axis=-1).astype(dt).reshape(B, N, T * G, -1)
-        out = jax.lax.dot_general(probs, values.astype(dt), (((3,), (2,)), batch_dims))
+            keys, values = cache_k[layer], cache_v[layer]  # [B, N, S, Dh] (unread if blocked)
+        if kv is not None and blocked_decode(T, keys.shape[2]):
+            out = decode_attention(
+                q, *new_kv, mask, layer=layer, filled=write_index + T, dtype=dt
+            )  # [B, N, T * G, Dh]
+        else:
+            logits = jax.lax.dot_general(q, keys.astype(dt), (((3,), (3,)), batch_dims))
+            logits = logits.astype(jnp.float32).reshape(B, N, T, G, -1) * (Dh**-0.5)
+            logits = jnp.where(mask[:, None, :, None, :], logits, _MASK_VALUE)  # [B,N,T,G,S]
+            probs = jax.nn.softmax(logits, axis=-1).astype(dt).reshape(B, N, T * G, -1)
+            out = jax.lax.dot_general(probs, values.astype(dt), (((3,), (2,)), batch_dims))
         out = out.reshape(B, N, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
         return quant.project("bthk,hkd->btd", out, wo, dt), new_kv  # [B, T, D]
+
+
+# A decode step attends over the filled cache slots only, DECODE_BLOCK slots at a time, once the
+# cache holds at least two blocks (`blocked_decode`); on CPU only: the block loop's trip count
+# is read on the host each layer, which a GPU would wait for.
+DECODE_BLOCK = 256
+
+
+def blocked_decode(query_length: int, cache_length: int) -> bool:
+    """Whether a forward of `query_length` tokens over a cache of `cache_length` slots takes
+    `decode_attention` (one token a row, a long cache, CPU)."""
+    return query_length == 1 and cache_length >= 2 * DECODE_BLOCK and jax.default_backend() == "cpu"
+
+
+def decode_attention(
+    q: Float[Array, "B N TG Dh"],
+    cache_k: Float[Array, "L B N S Dh"],
+    cache_v: Float[Array, "L B N S Dh"],
+    mask: Bool[Array, "B T S"],
+    *,
+    layer: Int[Array, " "],
+    filled: Int[Array, " "],
+    dtype,
+) -> Float[Array, "B N TG Dh"]:
+    """Attention of queries [B, N, T*G, Dh] over the first `filled` slots of layer `layer`'s
+    cache (every slot past them is empty), DECODE_BLOCK slots at a time with an online softmax
+    (running max, normalizer and output in float32): a step's cost grows with the tokens
+    written so far, not with the buffer. Exact against the whole-buffer softmax for every query
+    with a visible key. The last block starts at S - DECODE_BLOCK when S is no multiple of it;
+    the slots it shares with the block before are masked out."""
+    block, (B, N, TG, Dh), S = DECODE_BLOCK, q.shape, cache_k.shape[3]
+    T = mask.shape[1]
+    G = TG // T
+    batch_dims = ((0, 1), (0, 1))
+
+    def body(i, carry):
+        m, total, acc = carry  # max, normalizer [B, N, TG]; output [B, N, TG, Dh]
+        first = i * block
+        start = jnp.minimum(first, S - block)
+        window = (1, B, N, block, Dh)
+        k = jax.lax.dynamic_slice(cache_k, (layer, 0, 0, start, 0), window)[0]
+        v = jax.lax.dynamic_slice(cache_v, (layer, 0, 0, start, 0), window)[0]
+        visible = jax.lax.dynamic_slice(mask, (0, 0, start), (B, T, block))
+        visible &= start + jnp.arange(block) >= first  # not the previous block's slots again
+        s = jax.lax.dot_general(q, k.astype(dtype), (((3,), (3,)), batch_dims))
+        s = s.astype(jnp.float32).reshape(B, N, T, G, block) * (Dh**-0.5)
+        s = jnp.where(visible[:, None, :, None, :], s, _MASK_VALUE).reshape(B, N, TG, block)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        rescale = jnp.exp(m - m_new)
+        pv = jax.lax.dot_general(p.astype(dtype), v.astype(dtype), (((3,), (2,)), batch_dims))
+        acc = acc * rescale[..., None] + pv.astype(jnp.float32)
+        return m_new, total * rescale + jnp.sum(p, axis=-1), acc
+
+    init = (
+        jnp.full((B, N, TG), -jnp.inf, jnp.float32),
+        jnp.zeros((B, N, TG), jnp.float32),
+        jnp.zeros((B, N, TG, Dh), jnp.float32),
+    )
+    _, total, acc = jax.lax.fori_loop(0, (filled + block - 1) // block, body, init)
+    return (acc / total[..., None]).astype(dtype)
 
 
 class SwiGLU(nn.Module):

@@ -1,0 +1,81 @@
+"""Decode attention over the filled cache only (`layers.decode_attention`), block by block."""
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo import model, sampler, scheduling
+from espo.model import layers
+
+
+def _softmax_attention(q, keys, values, mask):
+    """The whole-buffer attention in float64: q [B, N, G, Dh], keys / values [B, N, S, Dh],
+    mask [B, S] (one query a row)."""
+    q, keys, values = (np.asarray(a, np.float64) for a in (q, keys, values))
+    s = np.einsum("bngd,bnsd->bngs", q, keys) / np.sqrt(q.shape[-1])
+    s = np.where(np.asarray(mask)[:, None, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bngs,bnsd->bngd", p / p.sum(-1, keepdims=True), values)
+
+
+@pytest.mark.parametrize(("block", "filled"), [(8, 37), (8, 40), (16, 37), (12, 40)])
+def test_blocks_of_the_filled_slots_equal_the_whole_buffer_softmax(block, filled):
+    """S = 40 slots of layer 1 of 2; slots past `filled` hold garbage that must not be read
+    (the blocked path never visits them); row 0's first 11 slots are left padding (a whole
+    masked block at block 8). Block 12: the last block starts at 28, not 36, and the slots it
+    shares with the block before count once."""
+    B, N, G, S, Dh = 2, 2, 3, 40, 4
+    ks = jax.random.split(jax.random.key(block + filled), 3)
+    q = jax.random.normal(ks[0], (B, N, G, Dh))
+    cache_k, cache_v = (jax.random.normal(k, (2, B, N, S, Dh)) for k in ks[1:])
+    slot = np.arange(S)
+    mask = (slot < filled)[None].repeat(B, 0)
+    mask[0, :11] = False
+    mask[1, 5] = False
+    # Garbage past the filled slots: NaN keys would poison any softmax that read them.
+    cache_k = cache_k.at[:, :, :, filled:].set(jnp.nan)
+    want = _softmax_attention(q, cache_k[1], cache_v[1], mask)
+    with mock.patch.object(layers, "DECODE_BLOCK", block):
+        got = layers.decode_attention(  # eager: a jit would cache the first block size's trace
+            q.reshape(B, N, G, Dh), cache_k, cache_v, jnp.asarray(mask)[:, None],
+            layer=1, filled=jnp.int32(filled), dtype=jnp.float32,
+        )  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_blocked_decode_is_one_token_a_row_on_a_long_cpu_cache():
+    with mock.patch.object(layers, "DECODE_BLOCK", 8):
+        assert layers.blocked_decode(1, 16) and not layers.blocked_decode(1, 15)
+        assert not layers.blocked_decode(2, 64)  # a prefill or a continuation chunk
+        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+            assert not layers.blocked_decode(1, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [16, 24])
+def test_the_sampler_on_blocked_decode_samples_what_the_whole_buffer_does(block):
+    """A 64-slot cache (16-token prompts, 48 new tokens): blocks of 16 (4 of them) and 24 (the
+    last one clamped to start at 40) give the same tokens, routing and, to rounding, log-probs
+    and entropies as attention over the whole buffer (DECODE_BLOCK above the cache)."""
+    cfg = model.ModelConfig.tiny()
+    params = model.init(cfg, jax.random.key(0))
+    prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (3, 9))
+
+    def run(block_size):
+        with mock.patch.object(layers, "DECODE_BLOCK", block_size):
+            jax.clear_caches()  # the block size is read while tracing
+            return sampler.sample(
+                cfg, params, prompts, np.array([9, 4, 6]), key=jax.random.key(1),
+                num_samples=2, max_new_tokens=40, stop_ids=(1,), pad_id=0,
+                buckets=scheduling.LengthBuckets(prompt_buckets=(16,), generation_buckets=(48,)),
+            )  # fmt: skip
+
+    whole, blocked = run(64), run(block)
+    assert int(whole.lengths.max()) > 2 * block - 16  # decoding went past a block boundary
+    np.testing.assert_array_equal(blocked.tokens, whole.tokens)
+    np.testing.assert_array_equal(blocked.router.expert_ids, whole.router.expert_ids)
+    np.testing.assert_allclose(blocked.logps, whole.logps, atol=1e-5)
+    np.testing.assert_allclose(blocked.entropies, whole.entropies, atol=1e-5)
