@@ -71,15 +71,20 @@ def test_replay_counterfactual_measures_the_other_routing_on_the_same_batch():
     batch, params = testing.random_train_batch(
         cfg, num_rows=N, prompt_length=TP, generation_length=TG, seed=5
     )
-    other = model_lib.init(cfg, jax.random.key(99))
+    # Jitted: op by op, each of these forwards took seconds.
+    other = jax.jit(model_lib.init, static_argnums=0)(cfg, jax.random.key(99))
     mask, logps = batch.loss_mask, {}
     modes = {"free": train_step.RoutingMode.FREE, "replay": train_step.RoutingMode.REPLAY_IDS}
+    token_logps = jax.jit(
+        train_step.token_logps, static_argnums=0, static_argnames=("routing_mode", "replay_missing")
+    )
     for mode, routing_mode in modes.items():
-        logps[mode] = train_step.token_logps(
+        logps[mode] = token_logps(
             cfg, other, batch.tokens, batch.attention_mask, routing=batch.router,
             routing_mode=routing_mode, replay_missing="free",
         ).logps  # fmt: skip
-    free = model_lib.forward(cfg, other, batch.tokens, attention_mask=batch.attention_mask)
+    forward = jax.jit(model_lib.forward, static_argnums=0)
+    free = forward(cfg, other, batch.tokens, attention_mask=batch.attention_mask)
     ids, want = np.asarray(free.router.expert_ids), np.asarray(batch.router.expert_ids)
     same = (ids[..., :, None] == want[..., None, :]).any(-1).mean(-1)  # [B, L, T]
     for replay, fused, cf_mode in (
