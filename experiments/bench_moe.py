@@ -396,14 +396,7 @@ def attention_rows(cfg, *, lengths, batch, alternations=2):
             for arm, block in (("whole", 10**9), ("blocked", layers.DECODE_BLOCK)):
                 with mock.patch.object(layers, "DECODE_BLOCK", block):
                     jax.clear_caches()  # the block size is read while tracing
-                    run = functools.partial(
-                        sampler.sample, cfg, params, prompts, np.full(batch, 16),
-                        key=jax.random.key(0), num_samples=1, max_new_tokens=n,
-                        stop_ids=(cfg.vocab_size,), pad_id=0,
-                        buckets=scheduling.LengthBuckets(
-                            prompt_buckets=(16,), generation_buckets=(n,)
-                        ),
-                    )  # fmt: skip
+                    run = bench_rollout._sample_fixed_length(cfg, params, prompts, new_tokens=n)
                     seconds = bench_rollout._timed(lambda run=run: run().tokens, 1)
                 row = {"arm": arm, "alternation": i, "batch": batch, "new_tokens": n,
                        "tokens_per_s": batch * n / seconds,
