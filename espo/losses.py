@@ -642,7 +642,9 @@ def gradient_use(cfg: LossConfig, batch: Batch) -> dict[str, Float[Array, ""]]:
     grad_token_frac = live share of the loss tokens. With entropies, per ESPO entropy group k
     (`entropy_groups` with top_frac / num_entropy_groups / quantile_scope, for every loss; 0 = the
     highest entropies): grad_frac_group{k} = live share, clipped_frac_group{k} = share with a
-    nonzero advantage and no gradient.
+    nonzero advantage and no gradient, grad_adv_frac_group{k} = the share of the group's advantage
+    mass sum |A| on live tokens (the signal the update keeps, weighted by how much each token
+    carries; 1 when nothing with an advantage is clipped).
     """
     pg = batch._replace(logps=_sg(batch.logps), penalty=jnp.zeros_like(batch.penalty))
     numerator = lambda lp: LOSSES[cfg.name].fn(cfg, pg._replace(logps=lp)).numerator
@@ -658,4 +660,8 @@ def gradient_use(cfg: LossConfig, batch: Batch) -> dict[str, Float[Array, ""]]:
             in_group = batch.mask & (groups == k)
             out[f"grad_frac_group{k}"] = _token_mean(live, in_group)
             out[f"clipped_frac_group{k}"] = _token_mean(signal & ~live, in_group)
+            weight = jnp.where(in_group, jnp.abs(batch.advantages), 0.0)  # [B, T]
+            out[f"grad_adv_frac_group{k}"] = jnp.where(live, weight, 0.0).sum() / jnp.maximum(
+                weight.sum(), 1e-12
+            )
     return {name: _sg(value) for name, value in out.items()}

@@ -298,15 +298,16 @@ class HandTest(parameterized.TestCase):
         # r > 1.2) and token 2 (A < 0, r < 0.8) are clipped; token 3 has no advantage. Live 1/4.
         # Entropies [0.1, 2, 0.3, 0.2]: group 0 = the top ceil(0.2 * 4) = 1 token (token 1),
         # dead and clipped; group 1 = tokens 0, 2, 3: live 1/3, clipped 1/3 (token 2; token 3
-        # has A = 0, so it is dead but not clipped). Counting A = 0 as clipped: 2/3.
-        ("grpo", dict(name="grpo"), 0.25, (0.0, 1.0, 1 / 3, 1 / 3)),
+        # has A = 0, so it is dead but not clipped). Counting A = 0 as clipped: 2/3. By advantage
+        # mass |A|: group 0 keeps 0 of 1, group 1 keeps 1 of 2 (token 3 weighs nothing).
+        ("grpo", dict(name="grpo"), 0.25, (0.0, 1.0, 1 / 3, 1 / 3), (0.0, 0.5)),
         # GSPO (eps 3e-4 / 4e-4): one sequence ratio s = exp(mean log r) = exp((log 1.5 +
         # log 0.5) / 4) = 0.9306 < 1 - 3e-4. For A > 0 min(A s, A clip(s)) = A s (unclipped: tokens
         # 0, 1 move); for A < 0 it is A clip(s) (token 2 clipped); token 3 has A = 0. Live 2/4;
-        # group 0 (token 1) live 1, clipped 0; group 1 live 1/3, clipped 1/3.
-        ("gspo", dict(name="gspo"), 0.5, (1.0, 0.0, 1 / 3, 1 / 3)),
+        # group 0 (token 1) live 1, clipped 0; group 1 live 1/3, clipped 1/3. By |A|: 1 and 1/2.
+        ("gspo", dict(name="gspo"), 0.5, (1.0, 0.0, 1 / 3, 1 / 3), (1.0, 0.5)),
     )
-    def test_gradient_use(self, cfg, live, by_group):
+    def test_gradient_use(self, cfg, live, by_group, by_advantage):
         _, grad, m, _ = self.run_loss(
             dict(cfg, vocab_size=16),
             np.log([[1.0, 1.5, 0.5, 1.0]]),
@@ -320,6 +321,8 @@ class HandTest(parameterized.TestCase):
         got = (m["grad_frac_group0"], m["clipped_frac_group0"])
         got += (m["grad_frac_group1"], m["clipped_frac_group1"])
         np.testing.assert_allclose(got, by_group, atol=1e-6)
+        got = (m["grad_adv_frac_group0"], m["grad_adv_frac_group1"])
+        np.testing.assert_allclose(got, by_advantage, atol=1e-6)
 
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(
