@@ -390,15 +390,17 @@ def parse_arms(
     arms: Mapping[str, Arm] | Callable[[str], Mapping[str, Arm]],
     preset: str = "cpu",
     seeds: str = "0",
+    default: str = "",
 ) -> tuple[argparse.Namespace, list[Arm]]:
-    """`parser`'s options plus --arms (comma-separated, default all): (args, the chosen arms).
-    `arms` may depend on the preset: a function of it. `preset`, `seeds`: the defaults."""
+    """`parser`'s options plus --arms (comma-separated; default `default`, "" = all): (args, the
+    chosen arms). `arms` may depend on the preset: a function of it. `preset`, `seeds`: the
+    defaults."""
     p = parser(doc, out=out, seeds=seeds)
     p.set_defaults(preset=preset)
-    p.add_argument("--arms", default=None, help="comma-separated arm names (default: all)")
+    p.add_argument("--arms", default=None, help=f"comma-separated arm names ({default or 'all'})")
     args = p.parse_args(argv)
     known = arms(args.preset) if callable(arms) else arms
-    return args, select_arms(p, args.arms or ",".join(known), known)
+    return args, select_arms(p, args.arms or default or ",".join(known), known)
 
 
 def select_arms(parser: argparse.ArgumentParser, names: str, known: Mapping[str, Arm]) -> list[Arm]:

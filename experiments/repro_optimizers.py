@@ -1,21 +1,31 @@
-"""GRPO vs GSPO vs ESPO vs CISPO with the real trainer: same tasks, warm start, seeds and budget.
+"""GRPO vs GSPO vs ESPO under stale-data stress, with the real trainer (issue 33's protocol).
 
-Run:  python experiments/repro_optimizers.py [--preset quick|cpu|large] [--seeds 0,1]
-                                             [--losses grpo,gspo,espo,cispo] [--out DIR]
+Run:  python experiments/repro_optimizers.py [--preset default|quick] [--seeds 0,1,2,3,4]
+                                             [--arms grpo,gspo,espo,espo_sampler,cispo] [--out DIR]
 
-The ESPO paper (arXiv 2512.00499) claims ESPO keeps more gradient signal than sequence-level GSPO
-(which clips whole sequences) and is more stable than token-level GRPO. Each loss trains the
-embedded default task (reasoning-gym arithmetic chains, `configs/default.py`) from one shared
-warm start for the preset's steps; everything else (ZVE, router replay, FP8 rollouts, curriculum,
-learning rate) is the default, except four optimiser updates per step (`train.mini_batch_size`,
-see COMMON) so that the clip ranges act. Written to OUT (default runs/repro/optimizers):
-- results.md / results.json: per loss, held-out greedy pass@1 at the start and the end (mean ±
-  std over seeds), token entropy, gradient utilisation (`loss/grad_token_frac`: the share of
-  loss tokens whose policy-gradient term moves their log-prob), the same split by entropy group
-  (group 0 = the top `loss.top_frac` entropies of a sequence, for every loss) with the share
-  clipped away, the clip fraction and the largest gradient norm (stability).
-- heldout.png (pass@1 and pass@k), entropy.png, grad_use.png, clipped.png: curves, mean over
-  seeds with the min-max band.
+The ESPO paper (arXiv 2512.00499) claims ESPO is stabler than token-level GRPO and keeps more
+gradient signal than sequence-level GSPO (which clips whole sequences). Those claims are about
+stale and off-policy data, so every arm trains in that regime: the embedded default
+(`configs/default.py`, make run's task) from one shared warm start, with STRESS on top of make
+run's settings: 20 RL steps of 8 optimiser updates per rollout batch (`train.mini_batch_size`
+16 of 128 rows, verl's ppo_mini_batch_size: the last mini-batch is 7 updates stale) at a
+learning rate at the edge of stability (chosen on the dev split, never on the test prompts:
+docs/repro/README.md).
+Arms differ in the loss only; `espo_sampler` also takes pi_old from the FP8 sampler's log-probs
+(`train.old_logps=sampler`: the ratios carry the rollout's numerics as well as the staleness).
+
+Metrics, named before the runs (per seed, then over seeds):
+- collapse: held-out greedy pass@1 at some eval more than COLLAPSE_DROP below the run's start,
+  or token entropy of some step below ENTROPY_FLOOR x its first step's (entropy collapse);
+  reported as collapses / seeds;
+- area under the held-out curve: the mean held-out pass@1 over the evals (trapezoids over the
+  steps, divided by the steps), with its 95% t-interval over seeds;
+- gradient use weighted by advantage per ESPO entropy group (`loss/grad_adv_frac_group{k}`: the
+  share of a group's advantage mass |A| on tokens the update moves; group 0 = a sequence's top
+  `loss.top_frac` entropies), and the token shares clipped away;
+- final held-out pass@1 and its change, 95% t-intervals.
+Written to OUT (default runs/repro/optimizers): results.md / results.json, heldout.png,
+entropy.png, grad_use.png, clipped.png (mean over seeds with the min-max band).
 """
 
 from __future__ import annotations
@@ -23,92 +33,118 @@ from __future__ import annotations
 import pathlib
 import sys
 
+import numpy as np
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import repro_lib  # noqa: E402
 
 LOSSES = ("grpo", "gspo", "espo", "cispo")
-# Four optimiser updates per step (verl's ppo_mini_batch_size): after the first, the policy has
-# moved off the rollout's, so the ratios leave 1 and the losses' clip ranges act. (With one
-# update per batch every ratio is exactly 1 and no loss clips anything.)
-COMMON = {"cpu": {"train.mini_batch_size": 64}, "large": {"train.mini_batch_size": 256}}
+ARMS = {
+    **{n: repro_lib.Arm(n, {"loss.name": n}, label=n.upper()) for n in LOSSES},
+    "espo_sampler": repro_lib.Arm(
+        "espo_sampler",
+        {"loss.name": "espo", "train.old_logps": "sampler"},
+        label="ESPO, pi_old from the sampler",
+    ),  # fmt: skip
+}
+DEFAULT_ARMS = "grpo,gspo,espo,espo_sampler"
+NAME = "default"  # configs/default.py, make run's task
+EDGE_LR = 2e-4  # 4x make run's 5e-5: the edge, from the dev-split pilot (docs/repro/README.md)
+COLLAPSE_DROP, ENTROPY_FLOOR = 0.10, 0.1
+# The stress on top of each preset's config: 8 updates per rollout batch at the edge rate.
+STRESS = {
+    "default": {
+        "train.steps": 20,  # 160 updates; the rate peaks at step 10 (make run's warmup)
+        "train.mini_batch_size": 16,  # 128 rows a step: 8 updates per rollout batch
+        "optimizer.learning_rate": EDGE_LR,
+        "eval.every_steps": 5,
+        "eval.num_prompts": 512,  # the test split's first 512 prompts: +-4 points (95%)
+    },
+    "quick": {"train.mini_batch_size": 4},  # the tiny config's 8 rows: 2 updates
+}
 
 
-def arms(names=LOSSES) -> list[repro_lib.Arm]:
-    return [repro_lib.Arm(name, {"loss.name": name}, label=name.upper()) for name in names]
+def collapsed(records: list[dict]) -> float:
+    """1.0 when the run collapsed (a held-out drop past COLLAPSE_DROP from its start, or a
+    step's token entropy below ENTROPY_FLOOR x the first step's), else 0.0."""
+    _, acc = repro_lib.series(records, "eval/pass@1")
+    _, ent = repro_lib.series(records, "loss/entropy")
+    dropped = len(acc) > 1 and float(acc[1:].min()) < acc[0] - COLLAPSE_DROP
+    frozen = len(ent) > 1 and float(ent[1:].min()) < ENTROPY_FLOOR * ent[0]
+    return float(dropped or frozen)
 
 
-def summarize(runs: dict[str, list[list[dict]]], arm_list) -> tuple[list[str], dict]:
-    """The Markdown sections and the JSON numbers of the finished runs."""
-    rows, data = [], {}
+def heldout_area(records: list[dict]) -> float:
+    """Mean held-out pass@1 over the run: the area under its eval curve / the steps it spans."""
+    steps, acc = repro_lib.series(records, "eval/pass@1")
+    if len(acc) < 2:
+        return float(acc[0]) if len(acc) else float("nan")
+    area = float(np.sum((acc[1:] + acc[:-1]) / 2 * np.diff(steps)))
+    return area / float(steps[-1] - steps[0])
+
+
+def summarize(runs, arm_list) -> tuple[list[str], dict]:
     cols = {
-        "pass@1 start": lambda r: repro_lib.series(r, "eval/pass@1")[1][0],
-        "pass@1 end": lambda r: repro_lib.last(r, "eval/pass@1"),
-        "pass@1 change": lambda r: repro_lib.change(r, "eval/pass@1"),
-        "pass@k end": lambda r: repro_lib.last(r, _pass_k(r)),
+        "collapsed": collapsed,
+        "held-out area": heldout_area,
+        **repro_lib.heldout_columns(),
         "entropy": lambda r: repro_lib.mean_over(r, "loss/entropy"),
+        "grad |A| hi-H": lambda r: repro_lib.mean_over(r, "loss/grad_adv_frac_group0"),
+        "grad |A| rest": lambda r: repro_lib.mean_over(r, "loss/grad_adv_frac_group1"),
         "grad tokens": lambda r: repro_lib.mean_over(r, "loss/grad_token_frac"),
-        "grad hi-H": lambda r: repro_lib.mean_over(r, "loss/grad_frac_group0"),
-        "grad lo-H": lambda r: repro_lib.mean_over(r, "loss/grad_frac_group1"),
         "clipped hi-H": lambda r: repro_lib.mean_over(r, "loss/clipped_frac_group0"),
-        "clipped lo-H": lambda r: repro_lib.mean_over(r, "loss/clipped_frac_group1"),
-        "clip frac": lambda r: repro_lib.mean_over(r, "loss/clip_frac"),
+        "clipped rest": lambda r: repro_lib.mean_over(r, "loss/clipped_frac_group1"),
         "max grad norm": lambda r: max(repro_lib.series(r, "optim/grad_norm")[1], default=0.0),
     }
-    for arm in arm_list:
-        values = {c: repro_lib.per_seed(runs[arm.name], fn) for c, fn in cols.items()}
-        data[arm.name] = values
-        rows.append([arm.title, *(repro_lib.spread(v) for v in values.values())])
-    table = repro_lib.markdown_table(["loss", *cols], rows)
+    table, data = repro_lib.arm_table(runs, arm_list, cols)
+    head = repro_lib.markdown_table(
+        ["loss", "collapses / seeds", "held-out area (95% CI)", "final pass@1 (95% CI)",
+         "pass@1 change (95% CI)", "gradient use by |A|, hi-H / rest"],
+        [[a.title, f"{sum(data[a.name]['collapsed']):.0f} / {len(data[a.name]['collapsed'])}",
+          repro_lib.ci(data[a.name]["held-out area"]), repro_lib.ci(data[a.name]["pass@1 end"]),
+          repro_lib.ci(data[a.name]["pass@1 change"]),
+          f"{repro_lib.spread(data[a.name]['grad |A| hi-H'])} / "
+          f"{repro_lib.spread(data[a.name]['grad |A| rest'])}"]
+         for a in arm_list],
+    )  # fmt: skip
     notes = (
-        "Mean over the RL steps (entropy, gradient utilisation, clipping) or the last eval "
-        "(pass@1 greedy, pass@k of eval.samples draws); ± is the std over seeds. A seed also "
-        "draws the task instances (reasoning-gym), so the held-out set differs between seeds: "
-        "compare the change within a seed. hi-H / lo-H: "
-        "the ESPO entropy groups (top loss.top_frac of each sequence's tokens by entropy / the "
-        "rest); 'clipped' = share of the group's tokens with a nonzero advantage and no "
-        "gradient."
+        f"Collapse: held-out greedy pass@1 more than {COLLAPSE_DROP:.2f} below the start at some "
+        f"eval, or a step's token entropy below {ENTROPY_FLOOR} x the first step's. Held-out "
+        "area: the mean of the held-out curve over the run. Means over the RL steps (entropy, "
+        "gradient use, clipping); ± in the second table is the std over seeds. hi-H / rest: the "
+        "ESPO entropy groups (a sequence's top loss.top_frac tokens by entropy / the rest), for "
+        "every loss; 'grad |A|' = the share of the group's advantage mass on tokens with a "
+        "gradient; 'clipped' = the share of its tokens with a nonzero advantage and no gradient."
     )
-    return [table, notes], data
-
-
-def _pass_k(records: list[dict]) -> str:
-    keys = [k for k in records[0] if k.startswith("eval/pass@") and "/" not in k[len("eval/") :]]
-    return next((k for k in keys if k != "eval/pass@1"), "eval/pass@1")
+    return [head, table, notes], data
 
 
 def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
     curves = repro_lib.curves_of(runs, arm_list)
-    first = runs[arm_list[0].name][0]
     return [
-        repro_lib.plot(out / "heldout.png", [("eval/pass@1", "greedy pass@1"),
-                                             (_pass_k(first), "pass@k")], curves,
+        repro_lib.plot(out / "heldout.png", [("eval/pass@1", "greedy pass@1")], curves,
                        title="Held-out accuracy"),
-        repro_lib.plot(out / "entropy.png", [("loss/entropy", "token entropy (nats)")], curves),
-        repro_lib.plot(out / "grad_use.png", [("loss/grad_token_frac", "all tokens"),
-                                              ("loss/grad_frac_group0", "high-entropy group"),
-                                              ("loss/grad_frac_group1", "low-entropy group")],
-                       curves, title="Gradient utilisation (share of tokens with gradient)"),
+        repro_lib.plot(out / "entropy.png", [("loss/entropy", "token entropy (nats)", "log")],
+                       curves),
+        repro_lib.plot(out / "grad_use.png", [("loss/grad_adv_frac_group0", "high-entropy group"),
+                                              ("loss/grad_adv_frac_group1", "the rest")],
+                       curves, title="Gradient use: share of |advantage| with a gradient"),
         repro_lib.plot(out / "clipped.png", [("loss/clipped_frac_group0", "high-entropy group"),
-                                             ("loss/clipped_frac_group1", "low-entropy group")],
+                                             ("loss/clipped_frac_group1", "the rest")],
                        curves, title="Tokens clipped away (nonzero advantage, no gradient)"),
     ]  # fmt: skip
 
 
 def main(argv=None) -> dict:
-    parser = repro_lib.parser(__doc__, out="runs/repro/optimizers", seeds="0,1")
-    parser.add_argument("--losses", default=",".join(LOSSES))
-    args = parser.parse_args(argv)
-    arm_list = arms(args.losses.split(","))
+    args, arm_list = repro_lib.parse_arms(
+        __doc__, argv, out="runs/repro/optimizers", arms=ARMS, preset="default",
+        seeds="0,1,2,3,4", default=DEFAULT_ARMS,
+    )  # fmt: skip
     return repro_lib.experiment(
-        args,
-        argv,
-        arm_list,
-        script="repro_optimizers.py",
-        title="GRPO vs GSPO vs ESPO vs CISPO",
-        summarize=summarize,
-        plots=plots,
-        common=COMMON.get(args.preset, {}),
-    )
+        args, argv, arm_list, script="repro_optimizers.py",
+        title="GRPO vs GSPO vs ESPO under stale-data stress", summarize=summarize, plots=plots,
+        common=STRESS.get(args.preset, {}), name=NAME,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def out(tmp_path_factory):
 @pytest.mark.slow
 def test_optimizers_quick(out, monkeypatch):
     repro = _load("repro_optimizers")
-    argv = ["--quick", "--seeds", "0,1", "--losses", "gspo", "--out", str(out / "opt")]
+    argv = ["--quick", "--seeds", "0,1", "--arms", "gspo", "--out", str(out / "opt")]
     argv += ["--warm-start", str(out / "warm")]
     data = repro.main([*argv, "--no-progress"])
     assert set(data) == {"gspo"}
@@ -35,10 +35,14 @@ def test_optimizers_quick(out, monkeypatch):
     assert len(starts) == 2 and len(set(starts)) == 1
     for arm in data.values():
         assert all(0 < g <= 1 for g in arm["grad tokens"]), arm
+        assert all(0 <= g <= 1 for g in arm["grad |A| hi-H"] + arm["grad |A| rest"]), arm
         assert all(np.isfinite(arm["entropy"])), arm  # every loss reports its entropy
-        assert all(0 <= c <= 1 for c in arm["clipped hi-H"] + arm["clipped lo-H"]), arm
+        assert all(0 <= c <= 1 for c in arm["clipped hi-H"] + arm["clipped rest"]), arm
+        assert set(arm["collapsed"]) <= {0.0, 1.0} and all(
+            0 <= a <= 1 for a in arm["held-out area"]
+        )
     text = (out / "opt" / "results.md").read_text()
-    assert "| GSPO |" in text and "--losses gspo" in text
+    assert "| GSPO |" in text and "--arms gspo" in text
     for png in ("heldout", "entropy", "grad_use", "clipped"):
         assert (out / "opt" / f"{png}.png").stat().st_size > 1000, png
     assert len(list((out / "opt" / "gspo" / "seed1").glob("checkpoints/*"))) >= 1
@@ -50,6 +54,21 @@ def test_optimizers_quick(out, monkeypatch):
     assert repro.main([*argv, "--no-progress"]) == json.loads(
         (out / "opt" / "results.json").read_text()
     )
+
+
+def test_optimizers_collapse_and_heldout_area_by_hand():
+    repro = _load("repro_optimizers")
+    acc = lambda step, v: {"step": step, "eval/pass@1": v}
+    ent = lambda step, v: {"step": step, "loss/entropy": v}
+    # Evals 0.6 -> 0.8 -> 0.7 at steps 0, 5, 15: area (0.7 * 5 + 0.75 * 10) / 15 = 11 / 15.
+    run = [acc(0, 0.6), acc(5, 0.8), acc(15, 0.7)]
+    assert abs(repro.heldout_area(run) - 11 / 15) < 1e-12
+    assert repro.collapsed(run) == 0.0  # never below the start
+    assert repro.collapsed([*run, acc(20, 0.49)]) == 1.0  # 0.11 below the start
+    assert repro.collapsed([*run, acc(20, 0.51)]) == 0.0  # 0.09 below: not a collapse
+    entropy = [ent(1, 0.02), ent(2, 0.0021)]
+    assert repro.collapsed(run + entropy) == 0.0
+    assert repro.collapsed([*run, *entropy, ent(3, 0.0019)]) == 1.0  # below 0.1 x 0.02
 
 
 @pytest.mark.slow
