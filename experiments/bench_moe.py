@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from espo import model, quant, sampler, scheduling
+from espo import model, quant, sampler
 from espo.model import layers, moe
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -365,14 +365,9 @@ def decode_rows(cfg, *, runs=DECODE_RUNS, new_tokens, peak_gbs, repeats=2):
         try:
             prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, 16))
             row["kernels_per_step"] = _decode_kernels(m, p, prompts, new_tokens, steps) / steps
-            run = functools.partial(
-                sampler.sample, m, p, prompts, np.full(batch, 16), key=jax.random.key(0),
-                num_samples=1, max_new_tokens=new_tokens, stop_ids=(cfg.vocab_size,), pad_id=0,
-                buckets=scheduling.LengthBuckets(
-                    prompt_buckets=(16,), generation_buckets=(new_tokens,)
-                ),
-                steps_per_check=steps,
-            )  # fmt: skip
+            run = bench_rollout._sample_fixed_length(
+                cfg, p, prompts, new_tokens=new_tokens, steps_per_check=steps, model=m
+            )
             seconds = bench_rollout._timed(lambda run=run: run().tokens, repeats)
             row["tokens_per_s"] = batch * new_tokens / seconds
             row["ms_per_step"] = 1e3 * seconds / new_tokens

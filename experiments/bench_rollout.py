@@ -95,11 +95,14 @@ class WithDispatch:
         return model.init_cache(self.cfg, batch=batch, max_length=max_length)
 
 
-def _sample_fixed_length(cfg, params, prompts, *, new_tokens, impl="auto", key=0):
+def _sample_fixed_length(
+    cfg, params, prompts, *, new_tokens, impl="auto", key=0, steps_per_check=1, model=None
+):
     """The fixed-length sampler call; impl "blocked+stacked" is espo before issue 14 (blocked
-    dispatch, scanned [L, ...] weights in the decode loop)."""
+    dispatch, scanned [L, ...] weights in the decode loop). `model`: a module to call instead
+    (its dispatch and layout then come from it, not from `impl`)."""
     impl, _, layout = impl.partition("+")
-    m = WithDispatch(cfg, impl, per_layer_params=layout != "stacked")
+    m = model or WithDispatch(cfg, impl, per_layer_params=layout != "stacked")
     lengths = np.full(len(prompts), prompts.shape[1])
     return functools.partial(
         sampler.sample, m, params, prompts, lengths, key=jax.random.key(key),
@@ -107,6 +110,7 @@ def _sample_fixed_length(cfg, params, prompts, *, new_tokens, impl="auto", key=0
         buckets=scheduling.LengthBuckets(
             prompt_buckets=(prompts.shape[1],), generation_buckets=(new_tokens,)
         ),
+        steps_per_check=steps_per_check,
     )  # fmt: skip
 
 
