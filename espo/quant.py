@@ -175,8 +175,8 @@ def compute_weight(w, dtype):
     """`w` as a matmul reads it: a `ScaledWeight` for an FP8 weight with per-channel scales,
     else `w.astype(dtype)` (dense weights, per-block scales: those vary along the contraction)."""
     if isinstance(w, Fp8Tensor) and not w.block:
-        lead = w.shape[: w.values.ndim - w.num_in_axes - w.num_out_axes]
-        out = w.shape[w.values.ndim - w.num_out_axes :]
+        lead, _, _ = _canonical_shape(w.values.shape, w.num_in_axes, w.num_out_axes)
+        out = w.values.shape[w.values.ndim - w.num_out_axes :]
         return ScaledWeight(
             values=w.values.astype(dtype),
             scale=w.scales.reshape(*lead, *out),
