@@ -3,9 +3,12 @@
 - float32 matmuls at full precision on every backend, so tolerances mean the same everywhere;
 - a persistent compilation cache, fresh per session, shared by the xdist workers and the
   subprocesses (repeated tiny trainer runs compile once);
-- XLA's CPU backend at optimisation level 0: the tiny test programs spend most of their time
-  compiling, and LLVM's optimisation passes are a third of that (the 8-device sharded steps:
-  44 s -> 29 s for the single-device reference); subprocesses inherit it through XLA_FLAGS;
+- XLA's CPU backend at optimisation level 0 and with its older elemental emitters for fusions
+  (`--xla_cpu_use_fusion_emitters=false`): the tiny test programs spend most of their time
+  compiling; LLVM's optimisation passes are a third of that (the 8-device sharded steps:
+  44 s -> 29 s for the single-device reference), and the MLIR fusion emitters most of what is
+  left (a train step of test_update's MoE: XLA compile 7.4 s -> 2.3 s on a loaded 2-core box);
+  subprocesses inherit both through XLA_FLAGS;
 - the trainer's end-of-run plots (`espo.plots.plot_run`) lay out every run's metrics for real
   but draw no pixels, except in tests/test_plots.py, tests marked `draws_plots` and the
   module-scoped runs set up before any test's patch (see `_plots_without_pixels`);
@@ -26,9 +29,9 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 # Read when the CPU backend starts (the first computation), so setting it here is in time; tests
 # that start a subprocess with more flags append theirs (`testing.emulated_devices_env`).
-_FAST_COMPILE = "--xla_backend_optimization_level=0"
-if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+for _FAST_COMPILE in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+    if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 # A persistent compilation cache for this session: the many trainer runs of the tiny configs
 # (and other tests that build the same programs with new jit objects) compile once. Fresh per
 # session, so a run's timings never depend on an earlier one; one cache for the pytest-xdist
