@@ -62,11 +62,13 @@ def test_packed_batch_holds_every_demonstration_once_in_multiples_of_eight_rows(
 
 @pytest.mark.slow
 def test_packed_nll_and_gradient_equal_the_padded_batch():
-    params = model_lib.init(CFG, jax.random.key(0))
+    params = jax.jit(model_lib.init, static_argnums=0)(CFG, jax.random.key(0))
     padded = _demonstrations(seed=1)
     packed = sft.packed_batch(padded)
     assert packed["segment_ids"].max() >= 2  # rows really hold several demonstrations
-    loss = lambda b: jax.value_and_grad(lambda p: sft.nll(CFG, p, b))(params)
-    (l_pad, g_pad), (l_pack, g_pack) = loss(padded), loss(packed)
+    # Jitted (one compile per batch shape): op by op, the MoE's forward and backward dispatched
+    # thousands of tiny programs.
+    loss = jax.jit(jax.value_and_grad(lambda p, b: sft.nll(CFG, p, b)))
+    (l_pad, g_pad), (l_pack, g_pack) = loss(params, padded), loss(params, packed)
     np.testing.assert_allclose(l_pack, l_pad, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_pack, g_pad)
