@@ -54,26 +54,35 @@ def test_blocked_decode_is_one_token_a_row_on_a_long_cpu_cache():
             assert not layers.blocked_decode(1, 64)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("block", [16, 24])
-def test_the_sampler_on_blocked_decode_samples_what_the_whole_buffer_does(block):
-    """A 64-slot cache (16-token prompts, 48 new tokens): blocks of 16 (4 of them) and 24 (the
-    last one clamped to start at 40) give the same tokens, routing and, to rounding, log-probs
-    and entropies as attention over the whole buffer (DECODE_BLOCK above the cache)."""
+def _sample(block_size: int):
+    """The tiny model's sampler over a 64-slot cache (16-token prompts, 48 new tokens), decode
+    attention in blocks of `block_size` slots (64: the whole buffer, one block)."""
     cfg = model.ModelConfig.tiny()
     params = model.init(cfg, jax.random.key(0))
     prompts = np.random.RandomState(0).randint(2, cfg.vocab_size, (3, 9))
+    with mock.patch.object(layers, "DECODE_BLOCK", block_size):
+        jax.clear_caches()  # the block size is read while tracing
+        return sampler.sample(
+            cfg, params, prompts, np.array([9, 4, 6]), key=jax.random.key(1),
+            num_samples=2, max_new_tokens=40, stop_ids=(1,), pad_id=0,
+            buckets=scheduling.LengthBuckets(prompt_buckets=(16,), generation_buckets=(48,)),
+        )  # fmt: skip
 
-    def run(block_size):
-        with mock.patch.object(layers, "DECODE_BLOCK", block_size):
-            jax.clear_caches()  # the block size is read while tracing
-            return sampler.sample(
-                cfg, params, prompts, np.array([9, 4, 6]), key=jax.random.key(1),
-                num_samples=2, max_new_tokens=40, stop_ids=(1,), pad_id=0,
-                buckets=scheduling.LengthBuckets(prompt_buckets=(16,), generation_buckets=(48,)),
-            )  # fmt: skip
 
-    whole, blocked = run(64), run(block)
+@pytest.fixture(scope="module")
+def whole_buffer():
+    """The reference run, attention over the whole buffer: sampled once for both block sizes
+    (it is the same program and the same samples for each)."""
+    return _sample(64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [16, 24])
+def test_the_sampler_on_blocked_decode_samples_what_the_whole_buffer_does(whole_buffer, block):
+    """A 64-slot cache (16-token prompts, 48 new tokens): blocks of 16 (4 of them) and 24 (the
+    last one clamped to start at 40) give the same tokens, routing and, to rounding, log-probs
+    and entropies as attention over the whole buffer (DECODE_BLOCK above the cache)."""
+    whole, blocked = whole_buffer, _sample(block)
     assert int(whole.lengths.max()) > 2 * block - 16  # decoding went past a block boundary
     np.testing.assert_array_equal(blocked.tokens, whole.tokens)
     np.testing.assert_array_equal(blocked.router.expert_ids, whole.router.expert_ids)
