@@ -26,7 +26,7 @@ def out(tmp_path_factory):
 def test_optimizers_quick(out, monkeypatch):
     repro = _load("repro_optimizers")
     argv = ["--quick", "--seeds", "0,1", "--arms", "gspo", "--out", str(out / "opt")]
-    argv += ["--warm-start", str(out / "warm")]
+    argv += ["--warm-start", str(out / "warm_default")]  # configs/default.py's, as zve's
     data = repro.main([*argv, "--no-progress"])
     assert set(data) == {"gspo"}
     # One warm start: every seed (and arm) starts from the same params and evaluates them with
@@ -49,7 +49,9 @@ def test_optimizers_quick(out, monkeypatch):
     # A rerun finds every run finished: nothing trains, the numbers are the same.
     lib = repro.repro_lib
     with pytest.raises(ValueError, match=r"holds a run of other settings"):
-        lib.run(lib.config("quick", {"seed": 1, "train.steps": 0}), out / "warm", progress=False)
+        lib.run(
+            lib.config("quick", {"seed": 1, "train.steps": 0}), out / "warm_default", progress=False
+        )
     monkeypatch.setattr(lib.trainer, "train", lambda *a, **k: pytest.fail("trained"))
     assert repro.main([*argv, "--no-progress"]) == json.loads(
         (out / "opt" / "results.json").read_text()
