@@ -94,8 +94,8 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "held-out area": heldout_area,
         **repro_lib.heldout_columns(),
         "entropy": lambda r: repro_lib.mean_over(r, "loss/entropy"),
-        "grad |A| hi-H": lambda r: repro_lib.mean_over(r, "loss/grad_adv_frac_group0"),
-        "grad |A| rest": lambda r: repro_lib.mean_over(r, "loss/grad_adv_frac_group1"),
+        "grad adv hi-H": lambda r: repro_lib.mean_over(r, "loss/grad_adv_frac_group0"),
+        "grad adv rest": lambda r: repro_lib.mean_over(r, "loss/grad_adv_frac_group1"),
         "grad tokens": lambda r: repro_lib.mean_over(r, "loss/grad_token_frac"),
         "clipped hi-H": lambda r: repro_lib.mean_over(r, "loss/clipped_frac_group0"),
         "clipped rest": lambda r: repro_lib.mean_over(r, "loss/clipped_frac_group1"),
@@ -104,12 +104,12 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
     table, data = repro_lib.arm_table(runs, arm_list, cols)
     head = repro_lib.markdown_table(
         ["loss", "collapses / seeds", "held-out area (95% CI)", "final pass@1 (95% CI)",
-         "pass@1 change (95% CI)", "gradient use by |A|, hi-H / rest"],
+         "pass@1 change (95% CI)", "gradient use by advantage, hi-H / rest"],
         [[a.title, f"{sum(data[a.name]['collapsed']):.0f} / {len(data[a.name]['collapsed'])}",
           repro_lib.ci(data[a.name]["held-out area"]), repro_lib.ci(data[a.name]["pass@1 end"]),
           repro_lib.ci(data[a.name]["pass@1 change"]),
-          f"{repro_lib.spread(data[a.name]['grad |A| hi-H'])} / "
-          f"{repro_lib.spread(data[a.name]['grad |A| rest'])}"]
+          f"{repro_lib.spread(data[a.name]['grad adv hi-H'])} / "
+          f"{repro_lib.spread(data[a.name]['grad adv rest'])}"]
          for a in arm_list],
     )  # fmt: skip
     notes = (
@@ -118,7 +118,7 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "area: the mean of the held-out curve over the run. Means over the RL steps (entropy, "
         "gradient use, clipping); ± in the second table is the std over seeds. hi-H / rest: the "
         "ESPO entropy groups (a sequence's top loss.top_frac tokens by entropy / the rest), for "
-        "every loss; 'grad |A|' = the share of the group's advantage mass on tokens with a "
+        "every loss; 'grad adv' = the share of the group's advantage mass on tokens with a "
         "gradient; 'clipped' = the share of its tokens with a nonzero advantage and no gradient."
     )
     return [head, table, notes], data

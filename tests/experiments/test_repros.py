@@ -35,7 +35,7 @@ def test_optimizers_quick(out, monkeypatch):
     assert len(starts) == 2 and len(set(starts)) == 1
     for arm in data.values():
         assert all(0 < g <= 1 for g in arm["grad tokens"]), arm
-        assert all(0 <= g <= 1 for g in arm["grad |A| hi-H"] + arm["grad |A| rest"]), arm
+        assert all(0 <= g <= 1 for g in arm["grad adv hi-H"] + arm["grad adv rest"]), arm
         assert all(np.isfinite(arm["entropy"])), arm  # every loss reports its entropy
         assert all(0 <= c <= 1 for c in arm["clipped hi-H"] + arm["clipped rest"]), arm
         assert set(arm["collapsed"]) <= {0.0, 1.0} and all(
