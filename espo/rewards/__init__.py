@@ -14,8 +14,10 @@ per-sample timeout is the pool's business). Modules:
   * `judge`: round-robin Better / Tie / Worse rewards from a pairwise judge (`JudgeScores`,
     never verifiable: judge-only groups with no spread go to zero-variance elimination).
   * `generative_judge`: the pairwise judge backed by an espo model and a prompt template.
+  * `pair_judge`: a trained Better / Tie / Worse classifier judge on the espo backbone.
   * `model_rewards`: the trainer's reward-model stage (`reward.model_path`): a saved BT RM
-    scores every rollout; naive / adjusted / judge rewards and the inversion they cause.
+    (or a pair judge) scores every rollout; naive / dead_zone / adjusted / judge rewards and the
+    inversion they cause.
 """
 
 import importlib
@@ -27,6 +29,7 @@ _SUBMODULES = (
     "judge",
     "math",
     "model_rewards",
+    "pair_judge",
     "pool",
     "procedural",
     "reward_model",

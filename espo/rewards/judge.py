@@ -66,6 +66,9 @@ class JudgeScores:
     rewards: Float[np.ndarray, "*P G"]  # float32 in [-1, 1], summing to 0 over each group
     verifiable: Bool[np.ndarray, "*P"]  # always False: no absolute correctness, never RL-ZVP
     zero_variance_mask: Bool[np.ndarray, "*P"]  # no spread: left to zero-variance elimination
+    # float32 [*P, G, G]: score of i against j (+1 better ... -1 worse; both orders averaged),
+    # antisymmetric, 0 on the diagonal; r = its row sums / (G - 1).
+    pair_scores: Float[np.ndarray, "*P G G"]
     # judge/comparisons (judge calls), judge/unparseable, judge/ties (parsed ties only),
     # judge/zero_variance_groups: counts over the groups judged.
     metrics: Mapping[str, float]
@@ -97,8 +100,8 @@ def _judge_all(judge_fn: JudgeFn, pairs: list[tuple[Any, Any]]) -> list[str]:
 
 def _round_robin(
     responses: Sequence[Any], judge_fn: JudgeFn, *, both_orders: bool
-) -> tuple[np.ndarray, dict[str, float]]:
-    """Rewards [G] (float32) and counts of one group."""
+) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """Rewards [G], pair scores [G, G] (float32) and counts of one group."""
     G = len(responses)
     index = [(i, j) for i in range(G) for j in range(i + 1, G)]
     if both_orders:
@@ -118,7 +121,7 @@ def _round_robin(
         "judge/unparseable": float(sum(v == UNPARSEABLE for v in verdicts)),
         "judge/ties": float(sum(v == "tie" for v in verdicts)),
     }
-    return rewards.astype(np.float32), counts
+    return rewards.astype(np.float32), scores.astype(np.float32), counts
 
 
 def judge_group(
@@ -132,12 +135,13 @@ def judge_group(
     with). E.g. qualities [3, 1, 2] with an exact judge: s01 = +1, s02 = +1, s12 = -1, so
     r = [(1 + 1) / 2, (-1 - 1) / 2, (-1 + 1) / 2] = [1, -1, 0].
     """
-    rewards, counts = _round_robin(responses, judge_fn, both_orders=both_orders)
+    rewards, pair_scores, counts = _round_robin(responses, judge_fn, both_orders=both_orders)
     zero_var = np.bool_(np.ptp(rewards) <= ZERO_VARIANCE_ATOL)
     return JudgeScores(
         rewards=rewards,
         verifiable=np.bool_(False),
         zero_variance_mask=zero_var,
+        pair_scores=pair_scores,
         metrics={**counts, "judge/zero_variance_groups": float(zero_var)},
     )
 
@@ -156,6 +160,7 @@ def judge_groups(
         rewards=np.stack([s.rewards for s in one]),  # [P, G]
         verifiable=np.zeros((len(one),), bool),  # [P]
         zero_variance_mask=np.array([bool(s.zero_variance_mask) for s in one]),  # [P]
+        pair_scores=np.stack([s.pair_scores for s in one]),  # [P, G, G]
         metrics={k: float(sum(s.metrics[k] for s in one)) for k in one[0].metrics},
     )
 

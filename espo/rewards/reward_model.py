@@ -33,10 +33,11 @@ from __future__ import annotations
 import dataclasses
 import math as pymath
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
@@ -119,6 +120,27 @@ def pairwise_inversion_rate(
     reversed_ = (advantages[:, None, :] - advantages[:, :, None]) > adv_tol  # [P, G, G]
     num_ordered = ordered.astype(jnp.float32).sum()
     return (ordered & reversed_).astype(jnp.float32).sum() / jnp.maximum(num_ordered, 1.0)
+
+
+def tied_pair_split_rate(
+    advantages: Float[Array, "P G"],
+    *,
+    true_quality: Float[Array, "P G"],
+    tie_tol: float = 1e-6,
+    adv_tol: float = 1e-6,
+) -> Float[Array, " "]:
+    """Among within-group unordered pairs of equal quality (|q_i - q_j| <= tie_tol, i < j), the
+    fraction whose advantages have opposite signs (one > adv_tol, the other < -adv_tol): equally
+    good responses pushed apart, the paper's inversion among ties. `pairwise_inversion_rate` is
+    its counterpart over pairs of different quality. 0 when no group has a tied pair."""
+    advantages, true_quality = _check_pair(advantages, true_quality)
+    G = true_quality.shape[-1]
+    upper = jnp.triu(jnp.ones((G, G), bool), k=1)  # [G, G] i < j
+    tied = upper & (jnp.abs(true_quality[:, :, None] - true_quality[:, None, :]) <= tie_tol)
+    s_a = _signs(advantages, adv_tol)  # [P, G]
+    split = (s_a[:, :, None] * s_a[:, None, :]) < 0  # [P, G, G]
+    num_tied = tied.astype(jnp.float32).sum()
+    return (tied & split).astype(jnp.float32).sum() / jnp.maximum(num_tied, 1.0)
 
 
 # ---- adjusting RM scores ---------------------------------------------------------------------
@@ -327,15 +349,41 @@ def reward_scores(
     is (left or right); masked positions are invisible to the real ones, so a sequence scores
     the same however it is padded. A row with no real token reads position T - 1.
     """
-    out = model.forward(
-        cfg, params["backbone"], tokens, attention_mask=attention_mask, return_hidden=True
-    )
-    T = tokens.shape[1]
-    last = T - 1 - jnp.argmax(attention_mask[:, ::-1], axis=1)  # [B] last True position
-    final = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    final, aux = last_hidden(cfg, params["backbone"], tokens, attention_mask=attention_mask)
     head = params["head"]
     # Multiply-and-sum, not a matvec: a default-precision dot may run in bf16 (TPU) / tf32 (GPU).
-    return (final * head["w"]).sum(-1) + head["b"], out.aux  # [B]
+    return (final * head["w"]).sum(-1) + head["b"], aux  # [B]
+
+
+def last_hidden(
+    cfg: model.ModelConfig,
+    backbone: dict,
+    tokens: Int[Array, "B T"],
+    *,
+    attention_mask: Bool[Array, "B T"],
+) -> tuple[Float[Array, "B D"], model.ModelAux]:
+    """The backbone's final-norm hidden state at each row's last real token (wherever the
+    padding is; a row with no real token reads position T - 1) and its router stats."""
+    out = model.forward(cfg, backbone, tokens, attention_mask=attention_mask, return_hidden=True)
+    T = tokens.shape[1]
+    last = T - 1 - jnp.argmax(attention_mask[:, ::-1], axis=1)  # [B] last True position
+    return jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0], out.aux  # [B, D]
+
+
+def chunked(fn: Callable, *, chunk: int) -> Callable[[Any, Any, Any], np.ndarray]:
+    """`apply(params, tokens [N, T], mask [N, T]) -> np.ndarray [N, ...]` of a jitted
+    `fn(params, tokens, mask)` for any N, in chunks of `chunk` rows (the last one padded with
+    copies of row 0), so every call shares one compile; N >= 1."""
+
+    def apply(params, tokens, mask):
+        tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
+        n = len(tokens)
+        fill = lambda x: np.concatenate([x, np.repeat(x[:1], -n % chunk, axis=0)])
+        tokens, mask = fill(tokens), fill(mask)
+        out = [fn(params, tokens[i : i + chunk], mask[i : i + chunk]) for i in range(0, n, chunk)]
+        return np.concatenate([np.asarray(o) for o in out])[:n]
+
+    return apply
 
 
 def bradley_terry_loss(
@@ -356,25 +404,29 @@ def bradley_terry_loss(
 
 
 def make_train_step(
-    cfg: model.ModelConfig, optimizer: optax.GradientTransformation
-) -> Callable[[dict, optax.OptState, PreferenceBatch], tuple[dict, optax.OptState, dict]]:
-    """A jitted `step(params, opt_state, batch) -> (params, opt_state, metrics)`.
+    cfg: model.ModelConfig,
+    optimizer: optax.GradientTransformation,
+    loss: Callable[[model.ModelConfig, dict, Any], tuple[Float[Array, " "], dict]] | None = None,
+) -> Callable[[dict, optax.OptState, Any], tuple[dict, optax.OptState, dict]]:
+    """A jitted `step(params, opt_state, batch) -> (params, opt_state, metrics)` of `loss`
+    (default `bradley_terry_loss`; `espo.rewards.pair_judge.judge_loss` trains a judge).
 
     Raises FloatingPointError at the first non-finite loss, so a diverged run stops loudly
     (this syncs each step; the model is small).
     """
+    loss_fn = loss or bradley_terry_loss
 
     @jax.jit
     def update(params, opt_state, batch):
-        grad_fn = jax.value_and_grad(lambda p: bradley_terry_loss(cfg, p, batch), has_aux=True)
-        (loss, metrics), grads = grad_fn(params)
+        grad_fn = jax.value_and_grad(lambda p: loss_fn(cfg, p, batch), has_aux=True)
+        (value, metrics), grads = grad_fn(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {**metrics, "loss": loss}
+        return optax.apply_updates(params, updates), opt_state, {**metrics, "loss": value}
 
     def step(params, opt_state, batch):
         params, opt_state, metrics = update(params, opt_state, batch)
         if not bool(jnp.isfinite(metrics["loss"])):
-            raise FloatingPointError(f"non-finite Bradley–Terry loss: {metrics}")
+            raise FloatingPointError(f"non-finite {loss_fn.__name__}: {metrics}")
         return params, opt_state, metrics
 
     return step

@@ -37,6 +37,14 @@ def test_modes_by_hand():
     np.testing.assert_allclose(
         judged, [[-2 / 3, -2 / 3, 2 / 3, 2 / 3], [-1 / 3, 0, 0, 1 / 3]], rtol=1e-6
     )
+    # dead_zone, no verifier: group 0 clusters {0.1, 0.5} and {1.9, 2.0} (gaps 0.4, 0.1 < 0.75;
+    # 1.4 between), average ranks 1.5 and 3.5 of 4: x = (2 rank - 5) / 3 = -2/3, +2/3; group 1
+    # chains into one cluster: 0.
+    dead = model_rewards.group_rewards(SCORES, CORRECT, mode="dead_zone", dead_zone=0.75)
+    np.testing.assert_allclose(dead, [[-2 / 3, -2 / 3, 2 / 3, 2 / 3], [0, 0, 0, 0]], rtol=1e-6)
+    np.testing.assert_array_equal(
+        dead, model_rewards.group_rewards(SCORES, ~CORRECT, mode="dead_zone", dead_zone=0.75)
+    )  # the verifier is not read
     with raises_invalid("mode"):
         model_rewards.group_rewards(SCORES, CORRECT, mode="bt", dead_zone=0.75)
 
@@ -54,10 +62,16 @@ def test_inversion_metrics_by_hand():
     assert m["rm/inversion_rate_mixed"] == pytest.approx(2 / 4)
     assert m["rm/sign_agreement"] == pytest.approx(2 / 4)  # of group 0's 4 decided rollouts
     assert m["rm/pair_accuracy"] == pytest.approx(1 / 4)
+    # Tied pairs: group 0's (0, 3) and (1, 2), both split (signs -, +); group 1's 6, split
+    # where a rollout of the lower half meets one of the upper half: 4. Different-quality
+    # pairs (0, 1), (0, 2), (3, 2) have the wrong rollout's advantage above: 3 of 4.
+    assert m["rm/pair_inversion_tied"] == pytest.approx(6 / 8)
+    assert m["rm/pair_inversion_diff"] == pytest.approx(3 / 4)
     assert not verifiable.any()  # relative rewards: never RL-ZVP
     rewarder = _rewarder_with_scores(SCORES.ravel(), mode="adjusted")
     _, verifiable, m = rewarder(tokens, tokens > -1, np.repeat([0, 1], 4), CORRECT.ravel())
     assert m["rm/inversion_rate"] == 0 and m["rm/sign_agreement"] == 1
+    assert m["rm/pair_inversion_tied"] == 0 and m["rm/pair_inversion_diff"] == 0
     assert m["rm/pair_accuracy"] == pytest.approx(1 / 4) and verifiable.all()
 
 

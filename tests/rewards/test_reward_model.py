@@ -94,6 +94,20 @@ def test_pairwise_inversion_rate_skips_equal_quality_pairs():
     _close(pairwise_inversion_rate(adv[1:], true_quality=q[1:]), 0.0)  # no ordered pair
 
 
+def test_tied_pair_split_rate_by_hand():
+    """Group 0 has tied pairs (0, 1) (both 1) and none else of equal quality; group 1 is all
+    tied: (0, 1), (0, 2), (1, 2). Opposite signs split (0, 1) of group 0 and (0, 1), (1, 2)
+    of group 1; (0, 2) of group 1 share a sign; 3 of 4 tied pairs split."""
+    q = jnp.array([[1.0, 1.0, 0.0], [2.0, 2.0, 2.0]])
+    adv = jnp.array([[0.5, -0.5, 0.0], [1.0, -1.0, 0.5]])
+    split = jax.jit(rm.tied_pair_split_rate)
+    _close(split(adv, true_quality=q), 3 / 4)
+    _close(split(adv[:1], true_quality=q[:1]), 1.0)
+    # A zero advantage pushes neither way: not split; no tied pair at all gives 0.
+    _close(split(jnp.array([[0.5, 0.0, -1.0]]), true_quality=q[:1]), 0.0)
+    _close(split(jnp.array([[1.0, -1.0]]), true_quality=jnp.array([[1.0, 0.0]])), 0.0)
+
+
 def test_metrics_reject_mismatched_shapes():
     with pytest.raises(ValueError, match=r"\[P, G\]"):
         rm.inversion_rate(jnp.zeros((2, 3)), true_quality=jnp.zeros((2, 4)))
