@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gzip
 import json
 import math
 import os
@@ -218,12 +219,14 @@ def _parse(path: pathlib.Path, lineno: int, line: bytes) -> dict:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a metrics.jsonl, in file order; a torn last line is skipped.
+    """The records of a metrics.jsonl (or a gzipped copy, *.gz), in file order; a torn last line
+    is skipped.
 
     Non-finite values read back as None (see the module docstring).
     """
     path = pathlib.Path(path)
-    records = _scan(path, path.read_bytes())
+    data = path.read_bytes()
+    records = _scan(path, gzip.decompress(data) if path.suffix == ".gz" else data)
     return [record for _, record in records]
 
 

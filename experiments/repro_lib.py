@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import math
 import pathlib
@@ -165,6 +166,37 @@ def run_arms(
             cfg = config(preset, overrides, name=name)
             print(f"== {arm.title}, seed {seed}", flush=True)
             runs[arm.name].append(run(cfg, out / arm.name / f"seed{seed}", progress=progress))
+    return runs
+
+
+def write_records(
+    records: pathlib.Path, out: pathlib.Path, arms: Sequence[Arm], seeds: Sequence[int]
+) -> None:
+    """RECORDS/<arm>/seed<k>.jsonl.gz: each run's metrics.jsonl, gzipped byte for byte (a few
+    kB a run: the raw curves a results table is computed from, small enough to keep beside it
+    and summarize again with --records)."""
+    for arm in arms:
+        for seed in seeds:
+            path = records / arm.name / f"seed{seed}.jsonl.gz"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            raw = (out / arm.name / f"seed{seed}" / "metrics.jsonl").read_bytes()
+            path.write_bytes(gzip.compress(raw, mtime=0))
+
+
+def read_records(
+    records: pathlib.Path, arms: Sequence[Arm], seeds: Sequence[int]
+) -> dict[str, list[list[dict]]]:
+    """{arm name: [records of seed k]} from `write_records`' files; a missing one names itself."""
+    runs = {}
+    for arm in arms:
+        runs[arm.name] = []
+        for seed in seeds:
+            path = records / arm.name / f"seed{seed}.jsonl.gz"
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"--records: {path} is missing (arm {arm.name}, seed {seed})"
+                )
+            runs[arm.name].append(metrics.read_jsonl(path))
     return runs
 
 
@@ -344,6 +376,12 @@ def parser(doc: str, *, out: str, seeds: str) -> argparse.ArgumentParser:
         help="directory of the shared warm start (default runs/repro/warm_start_PRESET_SEED; "
         "every script given the same one trains it once)",
     )
+    p.add_argument(
+        "--records",
+        default=None,
+        help="summarize the saved records in this directory (RECORDS/<arm>/seed<k>.jsonl.gz, "
+        "e.g. docs/repro/<name>/records) instead of running",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -427,10 +465,15 @@ def experiment(
     results: `summarize(runs, arms)` -> (Markdown sections, JSON data), `plots(out, runs, arms)`
     -> PNGs; `common` overrides apply to every arm (and not to the warm start)."""
     out = pathlib.Path(args.out)
-    runs = run_arms(
-        out, args.preset, arms, seeds_of(args), progress=not args.no_progress,
-        warm=warm_dir(args), common=common, name=name,
-    )  # fmt: skip
+    if args.records:
+        runs = read_records(pathlib.Path(args.records), arms, seeds_of(args))
+    else:
+        runs = run_arms(
+            out, args.preset, arms, seeds_of(args), progress=not args.no_progress,
+            warm=warm_dir(args), common=common, name=name,
+        )  # fmt: skip
+        write_records(out / "records", out, arms, seeds_of(args))
+    out.mkdir(parents=True, exist_ok=True)
     sections, data = summarize(runs, arms)
     files = plots(out, runs, arms)
     finish(args, argv, script=script, title=title, sections=sections, files=files, data=data)

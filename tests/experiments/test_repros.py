@@ -53,9 +53,18 @@ def test_optimizers_quick(out, monkeypatch):
             lib.config("quick", {"seed": 1, "train.steps": 0}), out / "warm_default", progress=False
         )
     monkeypatch.setattr(lib.trainer, "train", lambda *a, **k: pytest.fail("trained"))
-    assert repro.main([*argv, "--no-progress"]) == json.loads(
-        (out / "opt" / "results.json").read_text()
+    saved = json.loads((out / "opt" / "results.json").read_text())
+    assert repro.main([*argv, "--no-progress"]) == saved
+    # The gzipped records (each run's metrics.jsonl) summarize to the same table elsewhere.
+    records = out / "opt" / "records"
+    assert metrics.read_jsonl(records / "gspo" / "seed1.jsonl.gz") == metrics.read_jsonl(
+        out / "opt" / "gspo" / "seed1" / "metrics.jsonl"
     )
+    again = ["--quick", "--seeds", "0,1", "--arms", "gspo", "--records", str(records)]
+    assert repro.main([*again, "--out", str(out / "opt_again")]) == saved
+    with pytest.raises(FileNotFoundError, match="seed2"):
+        repro.main(["--quick", "--seeds", "2", "--arms", "gspo", "--records", str(records),
+                    "--out", str(out / "opt_none")])  # fmt: skip
 
 
 def test_optimizers_collapse_and_heldout_area_by_hand():
@@ -179,19 +188,21 @@ def test_system_quick(out):
 
 @pytest.mark.slow
 def test_inversion_training_quick(out):
-    """A BT reward model trained from the warm start scores every rollout; the naive RM's
-    rewards invert advantages in groups whose rollouts are equally correct, the adjusted ones
-    (verifier tiers, ties) invert fewer, and both are measured against the same verifier."""
+    """The verifier hidden: a BT RM and a pair judge trained from configs/default.py's tiny warm
+    start; the RM arms score the same first rollouts with the same RM (the same pair
+    accuracy), the judge arm loads the judge, no arm reads pass rates, and the table names
+    each arm."""
     repro = _load("repro_inversion_training")
-    argv = ["--quick", "--arms", "naive,adjusted", "--out", str(out / "inversion")]
-    data = repro.main([*argv, "--warm-start", str(out / "warm"), "--no-progress"])
-    naive, adjusted = data["naive"], data["adjusted"]
-    assert (out / "inversion" / "reward_model" / "reward_model.json").exists()
-    assert 0 <= data["rm"]["held_out_pair_accuracy"] <= 1
-    assert naive["inversion_rate"][0] > adjusted["inversion_rate"][0] >= 0
-    assert naive["pair_accuracy"] == adjusted["pair_accuracy"]  # same rollouts, same RM
-    assert naive["pass@1 start"] == adjusted["pass@1 start"]
-    assert "| naive RM |" in (out / "inversion" / "results.md").read_text()
+    argv = ["--quick", "--arms", "naive,dead_zone,judge", "--out", str(out / "inversion")]
+    data = repro.main([*argv, "--warm-start", str(out / "warm_default"), "--no-progress"])
+    models = data["models"]
+    assert (out / "inversion" / "models" / "judge" / "reward_model.json").exists()
+    assert 0 <= models["rm"]["pair_accuracy"] <= 1 and 0 <= models["judge"]["tie_accuracy"] <= 1
+    assert data["naive"]["pair_accuracy"] == data["dead_zone"]["pair_accuracy"]
+    assert data["naive"]["pass@1 start"] == data["judge"]["pass@1 start"]
+    cfg = json.loads((out / "inversion" / "judge" / "seed0" / "config.json").read_text())
+    assert cfg["reward"]["model_path"].endswith("judge") and cfg["zve"]["prefilter"] == "off"
+    assert "| B/T/W judge |" in (out / "inversion" / "results.md").read_text()
 
 
 @pytest.mark.slow
