@@ -135,10 +135,18 @@ def run(cfg: ml_collections.ConfigDict, workdir: pathlib.Path, *, progress: bool
 
 
 def warm_start(
-    workdir: pathlib.Path, preset: str, *, seed: int, progress: bool, name: str = CONFIG
+    workdir: pathlib.Path,
+    preset: str,
+    *,
+    seed: int,
+    progress: bool,
+    name: str = CONFIG,
+    shared: Mapping[str, object] = (),
 ) -> pathlib.Path:
-    """The supervised warm start every arm starts from (a run of train.steps=0 in `workdir`)."""
-    run(config(preset, {"seed": seed, "train.steps": 0}, name=name), workdir, progress=progress)
+    """The supervised warm start every arm starts from (a run of train.steps=0 in `workdir`);
+    `shared` overrides (e.g. the model's shape) apply to it and to every arm."""
+    cfg = config(preset, {**dict(shared), "seed": seed, "train.steps": 0}, name=name)
+    run(cfg, workdir, progress=progress)
     return workdir
 
 
@@ -152,16 +160,18 @@ def run_arms(
     common: Mapping[str, object] = (),
     warm: pathlib.Path | None = None,
     name: str = CONFIG,
+    shared: Mapping[str, object] = (),
 ) -> dict[str, list[list[dict]]]:
     """{arm name: [records of seed k]} after every arm x seed of configs/<name>.py ran from one
-    warm start (in `warm`, default OUT/warm_start; scripts given the same directory share it)."""
+    warm start (in `warm`, default OUT/warm_start; scripts given the same directory share it).
+    Overrides: `shared` of the warm start and every arm, then `common`, then the arm's."""
     warm = warm or out / "warm_start"
-    base = warm_start(warm, preset, seed=seeds[0], progress=progress, name=name)
+    base = warm_start(warm, preset, seed=seeds[0], progress=progress, name=name, shared=shared)
     runs = {}
     for arm in arms:
         runs[arm.name] = []
         for seed in seeds:
-            overrides = {**dict(common), **dict(arm.overrides), "seed": seed}
+            overrides = {**dict(shared), **dict(common), **dict(arm.overrides), "seed": seed}
             overrides["model.init_from"] = str(base)
             cfg = config(preset, overrides, name=name)
             print(f"== {arm.title}, seed {seed}", flush=True)
@@ -295,6 +305,29 @@ def testbed_columns(k: int, key: str = "eval/pass@1") -> dict[str, Callable]:
         "process fidelity end": final("eval/process_fidelity"),
         "right answer, wrong process end": final("eval/right_answer_wrong_process"),
     }
+
+
+# ---- stability: the stress rows' collapse and held-out area ----------------------------------
+COLLAPSE_DROP, ENTROPY_FLOOR = 0.10, 0.1
+
+
+def collapsed(records: list[dict]) -> float:
+    """1.0 when the run collapsed (a held-out drop past COLLAPSE_DROP from its start, or a
+    step's token entropy below ENTROPY_FLOOR x the first step's), else 0.0."""
+    _, acc = series(records, "eval/pass@1")
+    _, ent = series(records, "loss/entropy")
+    dropped = len(acc) > 1 and float(acc[1:].min()) < acc[0] - COLLAPSE_DROP
+    frozen = len(ent) > 1 and float(ent[1:].min()) < ENTROPY_FLOOR * ent[0]
+    return float(dropped or frozen)
+
+
+def heldout_area(records: list[dict]) -> float:
+    """Mean held-out pass@1 over the run: the area under its eval curve / the steps it spans."""
+    steps, acc = series(records, "eval/pass@1")
+    if len(acc) < 2:
+        return float(acc[0]) if len(acc) else float("nan")
+    area = float(np.sum((acc[1:] + acc[:-1]) / 2 * np.diff(steps)))
+    return area / float(steps[-1] - steps[0])
 
 
 # ---- writing results -------------------------------------------------------------------------
@@ -460,17 +493,19 @@ def experiment(
     plots: Callable,
     common: Mapping[str, object] = (),
     name: str = CONFIG,
+    shared: Mapping[str, object] = (),
 ) -> dict:
     """Runs `arms` x seeds of configs/<name>.py from the shared warm start, then writes the
     results: `summarize(runs, arms)` -> (Markdown sections, JSON data), `plots(out, runs, arms)`
-    -> PNGs; `common` overrides apply to every arm (and not to the warm start)."""
+    -> PNGs; `common` overrides apply to every arm (and not to the warm start), `shared` ones
+    to the warm start too (the model's shape)."""
     out = pathlib.Path(args.out)
     if args.records:
         runs = read_records(pathlib.Path(args.records), arms, seeds_of(args))
     else:
         runs = run_arms(
             out, args.preset, arms, seeds_of(args), progress=not args.no_progress,
-            warm=warm_dir(args), common=common, name=name,
+            warm=warm_dir(args), common=common, name=name, shared=shared,
         )  # fmt: skip
         write_records(out / "records", out, arms, seeds_of(args))
     out.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,6 @@ from __future__ import annotations
 import pathlib
 import sys
 
-import numpy as np
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import repro_lib  # noqa: E402
 
@@ -52,7 +50,8 @@ NAME = "default"  # configs/default.py, make run's task
 # 4x make run's 5e-5: the edge. Dev-split pilot (GRPO, seed 0, 30 steps, cosine from 2e-4 to
 # 1.6e-4 by step 10): held-out dev pass@1 0.68 -> 0.86 at step 5 -> 0.55 at step 10.
 EDGE_LR = 2e-4
-COLLAPSE_DROP, ENTROPY_FLOOR = 0.10, 0.1
+COLLAPSE_DROP, ENTROPY_FLOOR = repro_lib.COLLAPSE_DROP, repro_lib.ENTROPY_FLOOR
+collapsed, heldout_area = repro_lib.collapsed, repro_lib.heldout_area
 # The stress on top of each preset's config: 8 updates per rollout batch at the edge rate.
 STRESS = {
     "default": {
@@ -67,25 +66,6 @@ STRESS = {
     },
     "quick": {"train.mini_batch_size": 4},  # the tiny config's 8 rows: 2 updates
 }
-
-
-def collapsed(records: list[dict]) -> float:
-    """1.0 when the run collapsed (a held-out drop past COLLAPSE_DROP from its start, or a
-    step's token entropy below ENTROPY_FLOOR x the first step's), else 0.0."""
-    _, acc = repro_lib.series(records, "eval/pass@1")
-    _, ent = repro_lib.series(records, "loss/entropy")
-    dropped = len(acc) > 1 and float(acc[1:].min()) < acc[0] - COLLAPSE_DROP
-    frozen = len(ent) > 1 and float(ent[1:].min()) < ENTROPY_FLOOR * ent[0]
-    return float(dropped or frozen)
-
-
-def heldout_area(records: list[dict]) -> float:
-    """Mean held-out pass@1 over the run: the area under its eval curve / the steps it spans."""
-    steps, acc = repro_lib.series(records, "eval/pass@1")
-    if len(acc) < 2:
-        return float(acc[0]) if len(acc) else float("nan")
-    area = float(np.sum((acc[1:] + acc[:-1]) / 2 * np.diff(steps)))
-    return area / float(steps[-1] - steps[0])
 
 
 def summarize(runs, arm_list) -> tuple[list[str], dict]:

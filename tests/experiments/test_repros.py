@@ -99,6 +99,25 @@ def test_replay_quick(out):
 
 
 @pytest.mark.slow
+def test_replay_stress_quick(out):
+    """The finer MoE is the warm start's and every arm's model (its own warm start, in OUT);
+    both routings start from it (the same step-0 held-out numbers) without FP8 or IS
+    correction, and the table pairs free routing with replay."""
+    repro = _load("repro_replay_stress")
+    stress = out / "replay_stress"
+    data = repro.main(["--quick", "--seeds", "0", "--out", str(stress), "--no-progress"])
+    for run in ("warm_start", "replay/seed0", "free/seed0"):
+        cfg = json.loads((stress / run / "config.json").read_text())
+        assert cfg["model"]["num_experts"] == 8, run
+    arm = json.loads((stress / "free" / "seed0" / "config.json").read_text())
+    assert not arm["train"]["router_replay"] and not arm["rollout"]["fp8"]
+    assert arm["loss"]["rollout_is"] == "none" and arm["rollout"]["dtype"] == "bfloat16"
+    assert data["replay"]["pass@1 start"] == data["free"]["pass@1 start"]
+    assert all(0 <= x <= 1 for x in data["free"]["extreme frac"])
+    assert "| free routing |" in (stress / "results.md").read_text()
+
+
+@pytest.mark.slow
 def test_replay_paired_quick(out):
     """Both routings measured on the same batches of one run (configs/default.py's tiny
     variant, its own warm start): FP8 rollouts flip some experts, whose mismatch replay removes."""
