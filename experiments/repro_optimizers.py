@@ -83,10 +83,13 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
     }
     table, data = repro_lib.arm_table(runs, arm_list, cols)
     head = repro_lib.markdown_table(
-        ["loss", "collapses / seeds", "held-out area (95% CI)", "final pass@1 (95% CI)",
+        ["loss", "collapses / seeds", "held-out area (95% CI)",
+         "ESPO's area minus it, paired (95% CI)", "final pass@1 (95% CI)",
          "pass@1 change (95% CI)", "gradient use by advantage, hi-H / rest"],
         [[a.title, f"{sum(data[a.name]['collapsed']):.0f} / {len(data[a.name]['collapsed'])}",
-          repro_lib.ci(data[a.name]["held-out area"]), repro_lib.ci(data[a.name]["pass@1 end"]),
+          repro_lib.ci(data[a.name]["held-out area"]),
+          repro_lib.paired_ci(data, "espo", a.name, "held-out area"),
+          repro_lib.ci(data[a.name]["pass@1 end"]),
           repro_lib.ci(data[a.name]["pass@1 change"]),
           f"{repro_lib.spread(data[a.name]['grad adv hi-H'])} / "
           f"{repro_lib.spread(data[a.name]['grad adv rest'])}"]

@@ -75,17 +75,13 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "max grad norm": lambda r: max(repro_lib.series(r, "optim/grad_norm")[1], default=0.0),
     }
     table, data = repro_lib.arm_table(runs, arm_list, cols)
-    base = "replay" if "replay" in data else None
-    paired = lambda a, c: (
-        repro_lib.ci([x - y for x, y in zip(data[base][c], data[a][c], strict=True)])
-        if base and a != base else ""
-    )  # fmt: skip
     head = repro_lib.markdown_table(
         ["routing", "collapses / seeds", "held-out area (95% CI)",
          "replay minus it, paired (95% CI)", "final pass@1 (95% CI)",
          "extreme-token fraction, all / last steps", "clip fraction"],
         [[a.title, f"{sum(data[a.name]['collapsed']):.0f} / {len(data[a.name]['collapsed'])}",
-          repro_lib.ci(data[a.name]["held-out area"]), paired(a.name, "held-out area"),
+          repro_lib.ci(data[a.name]["held-out area"]),
+          repro_lib.paired_ci(data, "replay", a.name, "held-out area"),
           repro_lib.ci(data[a.name]["pass@1 end"]),
           f"{repro_lib.spread(data[a.name]['extreme frac'], 4)} / "
           f"{repro_lib.spread(data[a.name]['extreme frac late'], 4)}",

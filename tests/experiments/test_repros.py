@@ -321,3 +321,10 @@ def test_interval_is_the_student_t_interval_by_hand():
     assert lib.ci([1.0, 2.0, 3.0], 2) == "2.00 ± 2.48 [-0.48, 4.48]"
     assert np.isnan(lib.interval([0.5])[1]) and lib.ci([0.5]) == "0.500"
     assert lib.interval([1.0, float("nan"), 3.0]) == pytest.approx((2.0, 12.706205))  # std sqrt(2)
+    # Paired: base minus arm seed by seed ([0.1, -0.02, 0.1]: mean 0.06, sample std 0.0693).
+    data = {"espo": {"area": [0.8, 0.7, 0.9]}, "grpo": {"area": [0.7, 0.72, 0.8]}}
+    assert lib.paired_ci(data, "espo", "grpo", "area") == (
+        "0.060 ± 0.172 [-0.112, 0.232] (2 / 3 seeds > 0)"
+    )
+    assert lib.paired_ci(data, "espo", "espo", "area") == ""  # the base itself
+    assert lib.paired_ci(data, "gspo", "grpo", "area") == ""  # the base did not run
