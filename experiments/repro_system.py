@@ -1,9 +1,15 @@
 """The system table (the analogue of "Each Prompt Matters" Table 1) with the real trainer.
 
-Run:  python experiments/repro_system.py [--preset quick|cpu|large] [--seeds 0] [--out DIR]
+Run:  python experiments/repro_system.py [--preset default|quick] [--seeds 0,1,2] [--out DIR]
 
-End-to-end RL step time of the embedded default (`configs/default.py`, from the shared warm
-start) as the rollout system's parts are switched on cumulatively:
+End-to-end RL step time of make run's task (`configs/default.py`) in the regime the rollout
+system exists for (issue 33's protocol, `long_completions`): long, heavy-tailed completions
+(chains of 14 to 32 terms, P(n) ~ 0.9^n: the teacher's solutions have a median of 142 tokens,
+p90 216, p99 270, max 306, in a 384-token budget)
+and a reward with the latency of executing code (`espo.data.chains.executed_reward`: the
+verifier's value, the answer computed by a fresh Python interpreter per sample, tens of ms).
+The warm start learns the long chains (its own, in OUT/warm_start). The parts are switched on
+cumulatively:
   baseline        FIFO scheduling, serial detokenisation on the host, rewards scored after the
                   whole rollout decoded, no FP8 (rollout.schedule=fifo, rollout.detokenize=host,
                   rollout.overlap_rewards=False, rollout.fp8=False);
@@ -11,16 +17,20 @@ start) as the rollout system's parts are switched on cumulatively:
   + reward overlap            samples are scored while later chunks decode;
   + FP8 rollout               e4m3 weights in the sampler (rollout.fp8=True);
   + length-aware scheduling   chunks by predicted length (rollout.schedule=length_aware).
-Per arm, the median over the steps after the first two (compilation) of: the step time without
-eval and checkpoint, the rollout phase and inside it decoding (generate), the host's hand-off
-work and the wait for rewards after decoding, old log-probs and the update; and generated
-tokens per second of rollout. Written to OUT (default runs/repro/system): results.md /
-results.json and steps.png (the time per phase of each arm).
+Per arm and seed, the median over the steps after the first two (compilation) of: the step time
+without eval and checkpoint, the rollout phase and inside it decoding (generate), the host's
+hand-off work and the wait for rewards after decoding, old log-probs and the update; generated
+tokens per second of rollout, the padded decode slots (`rollout/padding_waste`) and the
+rollout's idle fraction (the share of the rollout phase spent on hand-offs and waiting for
+rewards, not decoding). Metrics named before the runs: step time and the idle fraction, each
+arm's speed-up over the baseline paired by seed, with 95% t-intervals over seeds. Written to
+OUT (default runs/repro/system): results.md / results.json and steps.png (the time per phase
+of each arm).
 
 On a CPU the FP8 arm is expected to be SLOWER: XLA:CPU has no e4m3 matmul, so the sampler
 dequantizes every weight to the activation dtype each step (more work, not less); the saving is
-memory bandwidth on a Hopper GPU. The arithmetic verifier of the default task is cheap, so
-overlapping rewards saves little here; the paper's math verifiers are not.
+memory bandwidth on a Hopper GPU. The earlier protocol (short completions, a cheap verifier;
+docs/repro/README.md) left the rollout at 9% of a step, with nothing for the parts to act on.
 """
 
 from __future__ import annotations
@@ -46,11 +56,29 @@ _STEPS = (
     ("fp8", "+ FP8 rollout", {"rollout.fp8": True}),
     ("length_aware", "+ length-aware scheduling", {"rollout.schedule": "length_aware"}),
 )
+NAME = "default"  # configs/default.py, make run's task
+EXECUTED = {"reward.function": "espo.data.chains:executed_reward"}
 COMMON = {  # a short run: timings, no evaluation in between, no checkpoint in between
-    "quick": {"train.steps": 3, "eval.every_steps": 0},
-    "cpu": {"train.steps": 10, "eval.every_steps": 0, "checkpoint.every_steps": 1000},
-    "large": {"train.steps": 20, "eval.every_steps": 0, "checkpoint.every_steps": 1000},
-}
+    "quick": {**EXECUTED, "train.steps": 3, "eval.every_steps": 0},
+    "default": {**EXECUTED, "train.steps": 10, "eval.every_steps": 0,
+                "checkpoint.every_steps": 1000},
+}  # fmt: skip
+
+
+def long_completions(preset: str) -> dict:
+    """The warm start's and every arm's data and budget: long, heavy-tailed chains."""
+    if preset == "quick":
+        return {"data.max_terms": 6, "data.max_prompt_length": 40}
+    stage = repro_lib.config_module(NAME).stage
+    return {
+        "data.min_terms": 14,
+        "data.max_terms": 32,
+        "data.terms_decay": 0.9,
+        "data.max_prompt_length": 144,  # the longest prompt: 136 characters
+        "curriculum.stages": (stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=384),),
+    }
+
+
 WARMUP_STEPS = 2  # left out of the medians: compilation
 
 
@@ -69,13 +97,19 @@ def _median(records: list[dict], key: str) -> float:
 
 
 def _step_s(records: list[dict]) -> list[dict]:
-    """Each step's time without its eval and checkpoint phases, as `perf/train_step_s`."""
+    """Each step's time without its eval and checkpoint phases, as `perf/train_step_s`, and the
+    rollout's idle fraction (hand-offs + reward wait over the rollout), `rollout/idle_frac`."""
     out = []
     for r in records:
         r = dict(r)
         if r.get("perf/step_s") is not None:
             extra = (r.get("perf/eval_s") or 0.0) + (r.get("perf/checkpoint_s") or 0.0)
             r["perf/train_step_s"] = r["perf/step_s"] - extra
+        if r.get("rollout/total_s"):
+            idle = (r.get("rollout/host_handoff_s") or 0.0) + (
+                r.get("rollout/reward_wait_s") or 0.0
+            )
+            r["rollout/idle_frac"] = idle / r["rollout/total_s"]
         out.append(r)
     return out
 
@@ -89,27 +123,44 @@ COLUMNS = {
     "old log-probs s": "perf/old_logps_s",
     "update s": "perf/update_s",
     "rollout tokens/s": "rollout/tokens_per_s",
+    "padded slots": "rollout/padding_waste",
+    "mean length": "rollout/mean_length",
+    "idle fraction": "rollout/idle_frac",
 }
 
 
 def summarize(runs, arm_list) -> tuple[list[str], dict]:
-    data, rows = {}, []
-    base = None
+    data = {}
     for arm in arm_list:
         per_seed = [_step_s(r) for r in runs[arm.name]]
         data[arm.name] = {c: [_median(r, k) for r in per_seed] for c, k in COLUMNS.items()}
-        step = float(np.mean(data[arm.name]["step s"]))
-        base = step if base is None else base
-        rows.append([arm.title, f"{base / step:.2f}x",
-                     *(repro_lib.spread(v) for v in data[arm.name].values())])  # fmt: skip
-    notes = (
-        f"Medians over steps {WARMUP_STEPS + 1} to the last but one (the first steps compile, "
-        "the last one evaluates); 'step s' leaves out eval and checkpoint time; 'speed-up' is "
-        "the baseline's step time over the arm's. rollout/generate_s is the decode loop with "
-        "the hand-offs inside it; reward wait is the time spent waiting for rewards after the "
-        "last chunk decoded."
+    base = data[arm_list[0].name]["step s"]  # the first arm's (the baseline's), seed by seed
+    for arm in arm_list:
+        steps = data[arm.name]["step s"]
+        data[arm.name]["speed-up"] = [b / a for b, a in zip(base, steps, strict=True)]
+    head = repro_lib.markdown_table(
+        ["arm (cumulative)", "step s (95% CI)", "speed-up over the baseline, paired (95% CI)",
+         "rollout idle fraction (95% CI)", "rollout s", "reward wait s", "padded slots"],
+        [[a.title, *(repro_lib.ci(data[a.name][c]) for c in ("step s", "speed-up",
+                                                               "idle fraction")),
+          *(repro_lib.spread(data[a.name][c]) for c in ("rollout s", "reward wait s",
+                                                         "padded slots"))]
+         for a in arm_list],
+    )  # fmt: skip
+    table, _ = repro_lib.arm_table(
+        runs, arm_list, {c: (lambda r, k=k: _median(_step_s(r), k)) for c, k in COLUMNS.items()}
     )
-    return [repro_lib.markdown_table(["arm", "speed-up", *COLUMNS], rows), notes], data
+    notes = (
+        f"Per seed, medians over steps {WARMUP_STEPS + 1} to the last but one (the first steps "
+        "compile, the last one evaluates); 'step s' leaves out eval and checkpoint time; the "
+        "speed-up is the baseline's step time over the arm's on the same seed. "
+        "rollout/generate_s is the decode loop with the hand-offs inside it; reward wait is "
+        "the time spent waiting for rewards after the last chunk decoded; the idle fraction is "
+        "hand-offs + reward wait over the rollout; padded slots: the share of decode "
+        "slot-steps spent on finished or padding rows. ± in the second table is the std over "
+        "seeds."
+    )
+    return [head, table, notes], data
 
 
 def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
@@ -121,17 +172,16 @@ def plots(out: pathlib.Path, runs, arm_list) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> dict:
-    args, arm_list = repro_lib.parse_arms(__doc__, argv, out="runs/repro/system", arms=arms())
-    return repro_lib.experiment(
-        args,
-        argv,
-        arm_list,
-        script="repro_system.py",
-        title="The rollout system, part by part (Table 1 analogue)",
-        summarize=summarize,
-        plots=plots,
-        common=COMMON[args.preset],
+    args, arm_list = repro_lib.parse_arms(
+        __doc__, argv, out="runs/repro/system", arms=arms(), preset="default", seeds="0,1,2"
     )
+    if args.warm_start is None:  # its own data: not the other scripts' warm start
+        args.warm_start = str(pathlib.Path(args.out) / "warm_start")
+    return repro_lib.experiment(
+        args, argv, arm_list, script="repro_system.py",
+        title="The rollout system, part by part (Table 1 analogue)", summarize=summarize,
+        plots=plots, common=COMMON[args.preset], shared=long_completions(args.preset), name=NAME,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -132,6 +132,21 @@ def test_reward_reads_the_last_line_exactly():
         chains.process_faithful("", "1", {"answer": "1", "task": "chains"})
 
 
+def test_executed_reward_equals_the_verifier():
+    """The program-executing reward gives ChainReward's value on the teacher's demonstrations
+    (some with its sign slip) and on the true solutions of long chains."""
+    data = _data(min_terms=8, max_terms=16, teacher_flaw="sign", teacher_error=0.5)
+    train = sources.make_sources(data)[0]
+    exs = [train[i] for i in range(6)]
+    values = []
+    for e in exs:
+        for completion in (e.demonstration, chains.solution(chains.chain_of(e.meta))):
+            want = chains.ChainReward()(e.prompt, completion, e.meta)
+            assert chains.executed_reward(e.prompt, completion, e.meta) == want, completion
+            values.append(want)
+    assert 0.0 in values and 1.0 in values
+
+
 def _data(**kw) -> examples.DataConfig:
     base = dict(source="chains", size=400, min_terms=3, max_terms=6, eval_fraction=0.25)
     return examples.DataConfig(**(base | kw))

@@ -185,14 +185,18 @@ def test_curriculum_quick(out):
 
 @pytest.mark.slow
 def test_system_quick(out):
+    """The arms switch the parts on cumulatively from the script's own warm start (its data in
+    the warm start too), the reward executes a program, and the table pairs each arm's step
+    time with the baseline's."""
     repro = _load("repro_system")
-    argv = ["--quick", "--out", str(out / "sys"), "--warm-start", str(out / "warm")]
+    argv = ["--quick", "--seeds", "0", "--out", str(out / "sys")]
     data = repro.main([*argv, "--arms", "baseline,overlap", "--no-progress"])
     for arm in ("baseline", "overlap"):
         assert all(v > 0 for v in data[arm]["step s"] + data[arm]["rollout s"]), data[arm]
-    rollout = lambda arm: json.loads((out / "sys" / arm / "seed0" / "config.json").read_text())[
-        "rollout"
-    ]  # the arms switch the parts on cumulatively
+        assert all(0 <= v <= 1 for v in data[arm]["idle fraction"]), data[arm]
+    assert data["baseline"]["speed-up"] == [1.0]
+    config = lambda run: json.loads((out / "sys" / run / "config.json").read_text())
+    rollout = lambda arm: config(f"{arm}/seed0")["rollout"]
     assert (rollout("baseline")["detokenize"], rollout("baseline")["overlap_rewards"]) == (
         "host",
         False,
@@ -202,6 +206,8 @@ def test_system_quick(out):
         True,
     )
     assert rollout("overlap")["schedule"] == "fifo" and not rollout("overlap")["fp8"]
+    assert config("warm_start")["data"]["max_terms"] == 6  # the long-completion data
+    assert config("overlap/seed0")["reward"]["function"] == "espo.data.chains:executed_reward"
     assert "| + reward overlap | " in (out / "sys" / "results.md").read_text()
 
 
