@@ -278,8 +278,8 @@ def ci(values: Sequence[float], digits: int = 3) -> str:
 
 def paired_ci(data: Mapping[str, Mapping[str, list]], base: str, arm: str, column: str) -> str:
     """`ci` of `base`'s per-seed `column` minus `arm`'s (the same seeds, paired) and how many
-    seeds are above 0; "" when `arm` is `base` or `base` did not run."""
-    if arm == base or base not in data:
+    seeds are above 0; "" when `arm` is `base` or either did not run."""
+    if arm == base or base not in data or arm not in data:
         return ""
     diff = [x - y for x, y in zip(data[base][column], data[arm][column], strict=True)]
     return f"{ci(diff)} ({sum(d > 0 for d in diff)} / {len(diff)} seeds > 0)"

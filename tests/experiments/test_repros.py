@@ -167,20 +167,26 @@ def test_zve_rollouts_to_target_count_up_to_the_first_eval_that_reaches_it():
 
 @pytest.mark.slow
 def test_curriculum_quick(out):
+    """Depth past the warm start's (configs/default.py's tiny one): every arm generates the same
+    rollouts; the staged arm changes stage by steps, the uniform one never, the hard one draws
+    only the hardest level; the table names the hardest level's key and pairs with uniform."""
     repro = _load("repro_curriculum")
-    argv = ["--quick", "--out", str(out / "curr"), "--warm-start", str(out / "warm")]
-    data = repro.main([*argv, "--no-progress"])
-    assert data["curriculum"]["rollouts"] == data["single"]["rollouts"]  # the same budget
+    argv = ["--quick", "--seeds", "0", "--out", str(out / "curr")]
+    data = repro.main([*argv, "--warm-start", str(out / "warm_default"), "--no-progress"])
+    assert len({tuple(data[a]["rollouts"]) for a in ("hard", "uniform", "staged", "gated")}) == 1
     stages = {
         arm: [
             r.get("curriculum/stage")
             for r in metrics.read_jsonl(out / "curr" / arm / "seed0" / "metrics.jsonl")[1:]
         ]
-        for arm in ("curriculum", "single")
+        for arm in ("staged", "uniform")
     }
-    assert stages == {"curriculum": [0, 1], "single": [0, 0]}, stages
+    assert stages == {"staged": [0, 1], "uniform": [0, 0]}, stages
+    cfg = json.loads((out / "curr" / "hard" / "seed0" / "config.json").read_text())
+    assert cfg["curriculum"]["stages"][0]["min_difficulty"] == 1.0
+    assert cfg["data"]["max_terms"] == 5 and cfg["zve"]["max_group_size"] == 4
     text = (out / "curr" / "results.md").read_text()
-    assert "eval/pass@1/2-basic_arithmetic" in text  # the hardest level of the three
+    assert "`eval/pass@1/" in text and "| staged (by steps) |" in text
 
 
 @pytest.mark.slow
