@@ -339,6 +339,35 @@ def heldout_area(records: list[dict]) -> float:
     return area / float(steps[-1] - steps[0])
 
 
+def stability_columns() -> dict[str, Callable[[list[dict]], float]]:
+    """The stress rows' per-run columns: collapsed (0 / 1), the held-out area, the largest
+    gradient norm."""
+    return {
+        "collapsed": collapsed,
+        "held-out area": heldout_area,
+        "max grad norm": lambda r: max(series(r, "optim/grad_norm")[1], default=0.0),
+    }
+
+
+def stability_header(base: str) -> list[str]:
+    """The headers of `stability_cells`, `base` naming the arm the areas are paired with."""
+    return ["collapses / seeds", "held-out area (95% CI)",
+            f"{base}'s area minus it, paired (95% CI)", "final pass@1 (95% CI)"]  # fmt: skip
+
+
+def stability_cells(data: Mapping[str, Mapping[str, list]], arm: str, base: str) -> list[str]:
+    """An arm's first cells of a stress table (`stability_columns` and `heldout_columns` in
+    `data`): collapses / seeds, the held-out area, `base`'s area minus it paired by seed, the
+    final pass@1, with 95% t-intervals over seeds."""
+    d = data[arm]
+    return [
+        f"{sum(d['collapsed']):.0f} / {len(d['collapsed'])}",
+        ci(d["held-out area"]),
+        paired_ci(data, base, arm, "held-out area"),
+        ci(d["pass@1 end"]),
+    ]
+
+
 # ---- writing results -------------------------------------------------------------------------
 def arm_table(
     runs: Mapping[str, list[list[dict]]], arms: Sequence[Arm], cols: Mapping[str, Callable]

@@ -70,8 +70,7 @@ STRESS = {
 
 def summarize(runs, arm_list) -> tuple[list[str], dict]:
     cols = {
-        "collapsed": collapsed,
-        "held-out area": heldout_area,
+        **repro_lib.stability_columns(),
         **repro_lib.heldout_columns(),
         "entropy": lambda r: repro_lib.mean_over(r, "loss/entropy"),
         "grad adv hi-H": lambda r: repro_lib.mean_over(r, "loss/grad_adv_frac_group0"),
@@ -79,17 +78,12 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
         "grad tokens": lambda r: repro_lib.mean_over(r, "loss/grad_token_frac"),
         "clipped hi-H": lambda r: repro_lib.mean_over(r, "loss/clipped_frac_group0"),
         "clipped rest": lambda r: repro_lib.mean_over(r, "loss/clipped_frac_group1"),
-        "max grad norm": lambda r: max(repro_lib.series(r, "optim/grad_norm")[1], default=0.0),
     }
     table, data = repro_lib.arm_table(runs, arm_list, cols)
     head = repro_lib.markdown_table(
-        ["loss", "collapses / seeds", "held-out area (95% CI)",
-         "ESPO's area minus it, paired (95% CI)", "final pass@1 (95% CI)",
-         "pass@1 change (95% CI)", "gradient use by advantage, hi-H / rest"],
-        [[a.title, f"{sum(data[a.name]['collapsed']):.0f} / {len(data[a.name]['collapsed'])}",
-          repro_lib.ci(data[a.name]["held-out area"]),
-          repro_lib.paired_ci(data, "espo", a.name, "held-out area"),
-          repro_lib.ci(data[a.name]["pass@1 end"]),
+        ["loss", *repro_lib.stability_header("ESPO"), "pass@1 change (95% CI)",
+         "gradient use by advantage, hi-H / rest"],
+        [[a.title, *repro_lib.stability_cells(data, a.name, "espo"),
           repro_lib.ci(data[a.name]["pass@1 change"]),
           f"{repro_lib.spread(data[a.name]['grad adv hi-H'])} / "
           f"{repro_lib.spread(data[a.name]['grad adv rest'])}"]

@@ -64,25 +64,19 @@ def _late(records: list[dict], key: str) -> float:
 
 def summarize(runs, arm_list) -> tuple[list[str], dict]:
     cols = {
-        "collapsed": repro_lib.collapsed,
-        "held-out area": repro_lib.heldout_area,
+        **repro_lib.stability_columns(),
         **repro_lib.heldout_columns(),
         "extreme frac": lambda r: repro_lib.mean_over(r, "mismatch/extreme_token_frac"),
         "extreme frac late": lambda r: _late(r, "mismatch/extreme_token_frac"),
         "k3 KL": lambda r: repro_lib.mean_over(r, "mismatch/k3_kl"),
         "router agreement": lambda r: repro_lib.mean_over(r, "mismatch/router_agreement"),
         "clip frac": lambda r: repro_lib.mean_over(r, "loss/clip_frac"),
-        "max grad norm": lambda r: max(repro_lib.series(r, "optim/grad_norm")[1], default=0.0),
     }
     table, data = repro_lib.arm_table(runs, arm_list, cols)
     head = repro_lib.markdown_table(
-        ["routing", "collapses / seeds", "held-out area (95% CI)",
-         "replay minus it, paired (95% CI)", "final pass@1 (95% CI)",
+        ["routing", *repro_lib.stability_header("replay"),
          "extreme-token fraction, all / last steps", "clip fraction"],
-        [[a.title, f"{sum(data[a.name]['collapsed']):.0f} / {len(data[a.name]['collapsed'])}",
-          repro_lib.ci(data[a.name]["held-out area"]),
-          repro_lib.paired_ci(data, "replay", a.name, "held-out area"),
-          repro_lib.ci(data[a.name]["pass@1 end"]),
+        [[a.title, *repro_lib.stability_cells(data, a.name, "replay"),
           f"{repro_lib.spread(data[a.name]['extreme frac'], 4)} / "
           f"{repro_lib.spread(data[a.name]['extreme frac late'], 4)}",
           repro_lib.spread(data[a.name]["clip frac"], 4)] for a in arm_list],
