@@ -341,3 +341,25 @@ def test_interval_is_the_student_t_interval_by_hand():
     )
     assert lib.paired_ci(data, "espo", "espo", "area") == ""  # the base itself
     assert lib.paired_ci(data, "gspo", "grpo", "area") == ""  # the base did not run
+
+
+def test_inversion_helpers_by_hand():
+    """The dead zone that classifies validation pairs best; label noise that never keeps a
+    corrupted label; both orders of a pair with better <-> worse."""
+    repro = _load("repro_inversion_training")
+    # Ties at |gap| 0.1 and 0.3, decided pairs at 0.5 (right) and 0.2 (wrong order): a zone of
+    # 0.5 classifies 3 of 4 (both ties, the 0.5 pair: |gap| >= the zone), smaller ones 1 or 2.
+    gap = np.array([0.1, 0.3, 0.5, 0.2])
+    tie = np.array([True, True, False, False])
+    right = np.array([True, True, True, False])
+    assert repro._calibrate(gap, tie, right) == 0.5
+    assert repro._calibrate(np.array([1.0, 2.0]), np.array([False, False]), np.ones(2, bool)) == 0
+    rng = np.random.default_rng(0)
+    labels = np.repeat([0, 1], 5000)
+    noisy = repro._noisy_labels(labels, rng)
+    changed = noisy != labels
+    assert abs(changed.mean() - repro.LABEL_NOISE) < 0.02 and set(noisy) == {0, 1, 2}
+    rows = np.arange(2 * 2 * 3).reshape(2, 2, 3)
+    r, m, lab = repro._both_orders(rows, rows > 0, np.array([0, 1]))
+    np.testing.assert_array_equal(r[2:], rows[:, ::-1])
+    np.testing.assert_array_equal(lab, [0, 1, 2, 1])
