@@ -53,9 +53,12 @@ from espo.rewards import reward_model as rm  # noqa: E402
 
 NAME = "default"  # configs/default.py, make run's task
 LABEL_NOISE = 0.2  # share of the models' training labels corrupted
-PROMPTS = {"quick": (32, 32), "default": (3072, 768)}  # pair prompts: train, held out
+# Pair prompts: train, held out. Pilot (1024 / 512 prompts, 410 (correct, wrong) and 1024 tied
+# training pairs, 600 steps each): BT RM test pair accuracy 0.864 (best validation at step
+# 100), dead zone 0.089 with tie accuracy 0.973; judge pair accuracy 0.748, tie accuracy 0.984.
+PROMPTS = {"quick": (32, 32), "default": (3072, 768)}
 STEPS = {"quick": 2, "default": 1500}  # optimiser steps of each model
-EVAL_EVERY = 100
+EVAL_EVERY = 50  # the BT RM overfits its noisy labels fast (pilot: best at step 100)
 LR, BATCH = 1e-4, 32
 # Nothing in training reads the verifier: the pass-rate pre-filter and adaptive G are off.
 HIDDEN = {
@@ -128,7 +131,8 @@ class Groups:
     def pairs(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows [N, 2, T], masks [N, 2, T] and labels [N] (0: the first is better, 1: tie) of
         one (correct, wrong) pair of each group that has both, then one tied pair (two correct
-        or two wrong, whichever the group has two of, at random) of each group that has one."""
+        or two wrong, whichever the group has two of, at random) of each group that has one,
+        as many as there are (correct, wrong) pairs at most (a random subset)."""
         decided, tied = [], []  # (group, first, second)
         for g, c in enumerate(self.correct):
             right, wrong = np.flatnonzero(c), np.flatnonzero(~c)
@@ -137,6 +141,8 @@ class Groups:
             pools = [p for p in (right, wrong) if len(p) > 1]
             if pools:
                 tied.append((g, *rng.choice(pools[rng.integers(len(pools))], 2, replace=False)))
+        if len(tied) > len(decided):  # balanced classes: most groups of a good policy are tied
+            tied = [tied[k] for k in sorted(rng.choice(len(tied), len(decided), replace=False))]
         index = np.array(decided + tied, int).reshape(-1, 3)  # [N, 3]
         labels = np.repeat([0, 1], [len(decided), len(tied)])
         pick = (index[:, :1], index[:, 1:])  # [N, 1] groups, [N, 2] rollouts
