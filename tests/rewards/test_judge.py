@@ -39,6 +39,18 @@ def test_judge_group_round_robin(qualities, tie_tol, want):
     assert not got.verifiable
 
 
+def test_pair_scores_by_hand():
+    """Qualities [3, 1, 2]: i against j is +1 where i is better; rewards are the row sums / 2.
+    Over groups the matrices stack."""
+    got = judge.judge_group([3.0, 1.0, 2.0], judge.FakeJudge())
+    want = [[0, 1, 1], [-1, 0, -1], [-1, 1, 0]]
+    _close(got.pair_scores, want)
+    _close(got.rewards, np.asarray(want, np.float32).sum(1) / 2)
+    both = judge.judge_groups([[3.0, 1.0, 2.0], [1.0, 1.0, 0.0]], judge.FakeJudge())
+    _close(both.pair_scores[0], want)
+    _close(both.pair_scores[1], [[0, 0, 1], [0, 0, 1], [-1, -1, 0]])
+
+
 def test_all_tie_group_is_zero_variance_and_not_verifiable():
     """Catches issue 7 defect 5: an all-tie judge group has r = 0 for every member, which RL-ZVP
     would read as "all wrong"; the scores must say it has no spread and is not verifiable, so
