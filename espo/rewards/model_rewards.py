@@ -45,12 +45,8 @@ from espo.rewards import judge, pair_judge
 from espo.rewards import reward_model as rm
 
 FORMAT = "espo.reward_model.v1"
-MODES = (
-    "naive",
-    "dead_zone",
-    "adjusted",
-    "judge",
-)  # how scores become rewards (RewardConfig.model_mode)
+# How scores become rewards (RewardConfig.model_mode).
+MODES = ("naive", "dead_zone", "adjusted", "judge")
 MANIFEST = "reward_model.json"
 # What a saved model is: a scalar BT RM, or a pairwise Better / Tie / Worse judge.
 KINDS = {"scalar": rm.init_reward_model, "pairwise": pair_judge.init_pair_judge}
@@ -122,10 +118,13 @@ class RewardConfig:
 def load(directory: str | pathlib.Path) -> tuple[model.ModelConfig, dict]:
     """(backbone ModelConfig, params) of a model written by `save` (`kind` tells which)."""
     cfg, what = _manifest(directory)
+    return cfg, _restore(directory, cfg, what)
+
+
+def _restore(directory: str | pathlib.Path, cfg: model.ModelConfig, what: str) -> dict:
     abstract = jax.eval_shape(lambda: KINDS[what](cfg, jax.random.key(0)))
     with ocp.StandardCheckpointer() as ckpt:
-        params = ckpt.restore(pathlib.Path(directory).absolute() / "params", abstract)
-    return cfg, params
+        return ckpt.restore(pathlib.Path(directory).absolute() / "params", abstract)
 
 
 def kind(directory: str | pathlib.Path) -> str:
@@ -236,8 +235,9 @@ class RewardModelRewards:
 
     @classmethod
     def load(cls, directory: str, *, mode: str, dead_zone: float) -> RewardModelRewards:
-        cfg, params = load(directory)
-        return cls(cfg=cfg, params=params, mode=mode, dead_zone=dead_zone, kind=kind(directory))
+        cfg, what = _manifest(directory)  # read once: the config and the kind
+        params = _restore(directory, cfg, what)
+        return cls(cfg=cfg, params=params, mode=mode, dead_zone=dead_zone, kind=what)
 
     def __call__(
         self, tokens: np.ndarray, mask: np.ndarray, group_ids: np.ndarray, correct: np.ndarray

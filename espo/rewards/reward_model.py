@@ -406,7 +406,9 @@ def bradley_terry_loss(
 def make_train_step(
     cfg: model.ModelConfig,
     optimizer: optax.GradientTransformation,
-    loss: Callable[[model.ModelConfig, dict, Any], tuple[Float[Array, " "], dict]] | None = None,
+    loss: Callable[[model.ModelConfig, dict, Any], tuple[Float[Array, " "], dict]] = (
+        bradley_terry_loss
+    ),
 ) -> Callable[[dict, optax.OptState, Any], tuple[dict, optax.OptState, dict]]:
     """A jitted `step(params, opt_state, batch) -> (params, opt_state, metrics)` of `loss`
     (default `bradley_terry_loss`; `espo.rewards.pair_judge.judge_loss` trains a judge).
@@ -414,11 +416,10 @@ def make_train_step(
     Raises FloatingPointError at the first non-finite loss, so a diverged run stops loudly
     (this syncs each step; the model is small).
     """
-    loss_fn = loss or bradley_terry_loss
 
     @jax.jit
     def update(params, opt_state, batch):
-        grad_fn = jax.value_and_grad(lambda p: loss_fn(cfg, p, batch), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p: loss(cfg, p, batch), has_aux=True)
         (value, metrics), grads = grad_fn(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {**metrics, "loss": value}
@@ -426,7 +427,7 @@ def make_train_step(
     def step(params, opt_state, batch):
         params, opt_state, metrics = update(params, opt_state, batch)
         if not bool(jnp.isfinite(metrics["loss"])):
-            raise FloatingPointError(f"non-finite {loss_fn.__name__}: {metrics}")
+            raise FloatingPointError(f"non-finite {loss.__name__}: {metrics}")
         return params, opt_state, metrics
 
     return step
