@@ -214,15 +214,16 @@ def train_models(out: pathlib.Path, warm: pathlib.Path, preset: str, *, seed: in
 
     params = {**rm.init_reward_model(cfg, jax.random.key(seed)), "backbone": policy}
     rm_val = lambda p: accuracies(rm_gaps(p, val), val, tie_band=0.0)["pair_accuracy"]
-    params, info["rm"] = _fit(cfg, params, None, rm_batch, len(d_rows), rm_val, preset, rng)
+    params, info["rm"] = _fit(
+        cfg, params, rm.bradley_terry_loss, rm_batch, len(d_rows), rm_val, preset, rng
+    )
     gaps_val = rm_gaps(params, val)
     info["dead_zone"] = _calibrate(np.abs(gaps_val), h_labels[val] == 1, gaps_val > 0)
     gaps = rm_gaps(params, ~val)
+    zoned = accuracies(gaps, ~val, tie_band=info["dead_zone"])
     info["rm"] |= accuracies(gaps, ~val, tie_band=0.0)
-    info["rm"]["tie_accuracy"] = accuracies(gaps, ~val, tie_band=info["dead_zone"])["tie_accuracy"]
-    info["rm"]["pair_accuracy_dead_zone"] = accuracies(gaps, ~val, tie_band=info["dead_zone"])[
-        "pair_accuracy"
-    ]
+    info["rm"] |= {"tie_accuracy": zoned["tie_accuracy"],
+                   "pair_accuracy_dead_zone": zoned["pair_accuracy"]}  # fmt: skip
     model_rewards.save(out / "models" / "reward_model", cfg, params)
     # The judge: every pair in both orders, LABEL_NOISE of the labels replaced.
     j_rows, j_masks, j_labels = _both_orders(rows, masks, _noisy_labels(labels, rng))

@@ -484,10 +484,13 @@ def finish(
     print(write_results(pathlib.Path(args.out), title, [head, *sections, pictures], data))
 
 
-def warm_dir(args: argparse.Namespace) -> pathlib.Path:
-    """--warm-start, or runs/repro/warm_start_<preset>_<first seed>."""
+def warm_dir(args: argparse.Namespace, *, own: bool = False) -> pathlib.Path:
+    """--warm-start, or runs/repro/warm_start_<preset>_<first seed> (the scripts' shared one), or
+    OUT/warm_start when `own` (a warm start with `shared` overrides is no other script's)."""
     if args.warm_start:
         return pathlib.Path(args.warm_start)
+    if own:
+        return pathlib.Path(args.out) / "warm_start"
     return pathlib.Path("runs/repro") / f"warm_start_{args.preset}_{seeds_of(args)[0]}"
 
 
@@ -543,7 +546,7 @@ def experiment(
     else:
         runs = run_arms(
             out, args.preset, arms, seeds_of(args), progress=not args.no_progress,
-            warm=warm_dir(args), common=common, name=name, shared=shared,
+            warm=warm_dir(args, own=bool(shared)), common=common, name=name, shared=shared,
         )  # fmt: skip
         write_records(out / "records", out, arms, seeds_of(args))
     out.mkdir(parents=True, exist_ok=True)

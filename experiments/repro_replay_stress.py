@@ -112,8 +112,6 @@ def main(argv=None) -> dict:
         __doc__, argv, out="runs/repro/replay_stress", arms=ARMS, preset="default",
         seeds="0,1,2,3,4",
     )  # fmt: skip
-    if args.warm_start is None:  # its own model shape: not the other scripts' warm start
-        args.warm_start = str(pathlib.Path(args.out) / "warm_start")
     return repro_lib.experiment(
         args, argv, arm_list, script="repro_replay_stress.py",
         title="Router replay under off-policy stress", summarize=summarize, plots=plots,

@@ -130,14 +130,13 @@ COLUMNS = {
 
 
 def summarize(runs, arm_list) -> tuple[list[str], dict]:
-    data = {}
-    for arm in arm_list:
-        per_seed = [_step_s(r) for r in runs[arm.name]]
-        data[arm.name] = {c: [_median(r, k) for r in per_seed] for c, k in COLUMNS.items()}
+    steps = {a.name: [_step_s(r) for r in runs[a.name]] for a in arm_list}
+    medians = {c: (lambda r, k=k: _median(r, k)) for c, k in COLUMNS.items()}
+    table, data = repro_lib.arm_table(steps, arm_list, medians)  # per seed
     base = data[arm_list[0].name]["step s"]  # the first arm's (the baseline's), seed by seed
     for arm in arm_list:
-        steps = data[arm.name]["step s"]
-        data[arm.name]["speed-up"] = [b / a for b, a in zip(base, steps, strict=True)]
+        own = data[arm.name]["step s"]
+        data[arm.name]["speed-up"] = [b / a for b, a in zip(base, own, strict=True)]
     head = repro_lib.markdown_table(
         ["arm (cumulative)", "step s (95% CI)", "speed-up over the baseline, paired (95% CI)",
          "rollout idle fraction (95% CI)", "rollout s", "reward wait s", "padded slots"],
@@ -147,9 +146,6 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
                                                          "padded slots"))]
          for a in arm_list],
     )  # fmt: skip
-    table, _ = repro_lib.arm_table(
-        runs, arm_list, {c: (lambda r, k=k: _median(_step_s(r), k)) for c, k in COLUMNS.items()}
-    )
     notes = (
         f"Per seed, medians over steps {WARMUP_STEPS + 1} to the last but one (the first steps "
         "compile, the last one evaluates); 'step s' leaves out eval and checkpoint time; the "
@@ -175,8 +171,6 @@ def main(argv=None) -> dict:
     args, arm_list = repro_lib.parse_arms(
         __doc__, argv, out="runs/repro/system", arms=arms(), preset="default", seeds="0,1,2"
     )
-    if args.warm_start is None:  # its own data: not the other scripts' warm start
-        args.warm_start = str(pathlib.Path(args.out) / "warm_start")
     return repro_lib.experiment(
         args, argv, arm_list, script="repro_system.py",
         title="The rollout system, part by part (Table 1 analogue)", summarize=summarize,
