@@ -264,6 +264,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.zve.prefilter_low = 0.05  # pass rate <= this is filtered (never solved)
     c.zve.prefilter_high = 0.95  # pass rate >= this is filtered (always solved)
     c.zve.prefilter_downweight = 0.1  # sampling weight of filtered prompts in downweight mode
+    c.zve.pass_rate_table = ""  # offline pass rates seeding the history (espo.pass_rates)
     c.zve.group_size = 8  # G for prompts with no history (a stage's group_size overrides it)
     c.zve.max_group_size = 16  # adaptive G up to this (== group_size: adaptive G off)
     c.zve.zvp_target = 0.5  # adaptive G: smallest G with p^G + (1-p)^G below this

@@ -22,6 +22,7 @@ _SUBMODULES = (
     "metrics",
     "model",
     "packing",
+    "pass_rates",
     "plots",
     "quant",
     "rewards",

@@ -225,27 +225,19 @@ def evaluate(
             f"evaluate: sampling_kw sets {reserved}, which evaluate sets itself "
             f"(from cfg and key); sampling_kw may hold the other sampler.sample arguments"
         )
-    buckets.check_max_new_tokens(cfg.max_new_tokens)
-    fixed = scheduling.LengthBuckets(
-        prompt_buckets=(buckets.prompt_bucket(max(len(p) for p in prompts)),),
-        generation_buckets=(buckets.generation_bucket(cfg.max_new_tokens),),
-    )
+    fixed = _fixed_buckets(prompts, cfg, buckets)
 
     def score(i: int, completion_tokens: list[int], *, greedy: bool) -> tuple[float, bool, str]:
         """(reward, process right, answer): the process is checked on the greedy pass only
         (what the process metrics read), the answer taken on the sampled pass only (maj@k)."""
         completion = detokenize(completion_tokens)
-        value = reward_fn(prompt_texts[i], completion, metas[i])
-        ok = isinstance(value, int | float | np.number) and not isinstance(value, bool)
-        if not ok or not math.isfinite(float(value)):
-            raise ValueError(
-                f"evaluate: reward_fn returned {value!r} for held-out prompt {i} "
-                f"(completion {completion!r}); it must return a finite float"
-            )
+        value = _reward(
+            reward_fn, prompt_texts[i], completion, metas[i], where=f"held-out prompt {i}"
+        )
         faithful = not (greedy and process_fn) or bool(
             process_fn(prompt_texts[i], completion, metas[i])
         )
-        return float(value), faithful, answer_fn(completion) if answer_fn and not greedy else ""
+        return value, faithful, answer_fn(completion) if answer_fn and not greedy else ""
 
     greedy_key, sample_key = jax.random.split(key)
     common = dict(cfg=cfg, buckets=fixed, sampling_kw=sampling_kw)
@@ -294,3 +286,64 @@ def evaluate(
         if k > 1 and sampled_rows.any():
             metrics[f"eval/pass@{k}/{name}"] = float(np.mean(correct[sampled_rows].any(axis=1)))
     return metrics
+
+
+def sampled_rewards(
+    model,
+    params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    metas: Sequence[Mapping],
+    prompt_texts: Sequence[str],
+    reward_fn: Callable[[str, str, Mapping], float],
+    detokenize: Callable[[Sequence[int]], str],
+    key: jax.Array,
+    cfg: EvalConfig,
+    sampling_kw: Mapping,
+    buckets: scheduling.LengthBuckets = sampler.DEFAULT_BUCKETS,
+) -> np.ndarray:
+    """float64 [P, cfg.samples]: the rewards of cfg.samples completions of every prompt, sampled
+    at cfg.temperature in `evaluate`'s fixed-size batches (a policy's pass rates before training:
+    `espo.pass_rates`). Arguments as `evaluate`'s."""
+    if not len(metas) == len(prompt_texts) == len(prompts):
+        raise ValueError(
+            f"sampled_rewards: prompts, metas and prompt_texts need one entry per prompt, got "
+            f"{len(prompts)}, {len(metas)} and {len(prompt_texts)}"
+        )
+
+    def score(i: int, completion_tokens: list[int]) -> tuple[float, bool, str]:
+        completion = detokenize(completion_tokens)
+        return (
+            _reward(reward_fn, prompt_texts[i], completion, metas[i], where=f"prompt {i}"),
+            True,
+            "",
+        )
+
+    return _run_pass(
+        model, params, prompts, num_samples=cfg.samples, temperature=float(cfg.temperature),
+        key=key, score=score, cfg=cfg, buckets=_fixed_buckets(prompts, cfg, buckets),
+        sampling_kw=sampling_kw,
+    ).rewards  # fmt: skip
+
+
+def _fixed_buckets(
+    prompts: Sequence[Sequence[int]], cfg: EvalConfig, buckets: scheduling.LengthBuckets
+) -> scheduling.LengthBuckets:
+    """One prompt bucket (the longest prompt's) and one generation bucket for a whole call."""
+    buckets.check_max_new_tokens(cfg.max_new_tokens)
+    return scheduling.LengthBuckets(
+        prompt_buckets=(buckets.prompt_bucket(max(len(p) for p in prompts)),),
+        generation_buckets=(buckets.generation_bucket(cfg.max_new_tokens),),
+    )
+
+
+def _reward(reward_fn, prompt: str, completion: str, meta: Mapping, *, where: str) -> float:
+    """reward_fn's value as a float; a value that is not a finite number is a ValueError."""
+    value = reward_fn(prompt, completion, meta)
+    ok = isinstance(value, int | float | np.number) and not isinstance(value, bool)
+    if not ok or not math.isfinite(float(value)):
+        raise ValueError(
+            f"evaluate: reward_fn returned {value!r} for {where} "
+            f"(completion {completion!r}); it must return a finite float"
+        )
+    return float(value)

@@ -210,6 +210,12 @@ def length_reward(prompt: str, completion: str, meta) -> float:
     return len(completion) / 10.0
 
 
+def prompt_parity_reward(prompt: str, completion: str, meta) -> float:
+    """The parity of the sum of the prompt's character codes: a reward known before sampling
+    (pass rates exactly 0 or 1)."""
+    return float(sum(map(ord, prompt)) % 2)
+
+
 def misbehaving_reward(prompt: str, completion: str, meta) -> float:
     """Hangs, crashes the process, raises or returns garbage, as `completion` asks."""
     if completion == "hang":

@@ -132,6 +132,27 @@ def _reward_model(s: config_lib.Settings, tok):
     return rm
 
 
+def _history(s: config_lib.Settings, train_src) -> zero_variance.PassRateHistory:
+    """A fresh run's pass-rate history: empty, or zve.pass_rate_table's offline pass rates (a
+    table of this run's training prompts, scored at its advantage.success_threshold)."""
+    path, threshold = s.zve.pass_rate_table, s.advantage.success_threshold
+    if not path:
+        return zero_variance.PassRateHistory(success_threshold=threshold)
+    bad = lambda valid: config_lib.ConfigError("--config.zve", "pass_rate_table", path, valid)
+    try:
+        table = zero_variance.PassRateTable.load(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise bad(f"a pass-rate table written by experiments/pass_rates.py ({e})") from None
+    if table.success_threshold != threshold:
+        raise bad(
+            f"a table scored at advantage.success_threshold={threshold} (this one: "
+            f"{table.success_threshold})"
+        )
+    if not any(train_src[i].id in table.pass_rates for i in range(len(train_src))):
+        raise bad(f"a table of this run's training prompts (none of its {len(table.pass_rates)})")
+    return zero_variance.PassRateHistory.from_table(table)
+
+
 def _buckets(max_prompt_length: int, max_new_tokens: int) -> scheduling.LengthBuckets:
     top = lambda n: sorted(set(scheduling.geometric_buckets(min_size=min(8, n), max_size=n)) | {n})
     return scheduling.LengthBuckets(
@@ -321,7 +342,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     host = _Host(
         stream=stream_lib.PromptStream(train_src, seed=s.seed),
         curriculum=curriculum.CurriculumState(),
-        history=zero_variance.PassRateHistory(success_threshold=s.advantage.success_threshold),
+        history=_history(s, train_src),  # a resume replaces it with the checkpoint's
         predictor=scheduling.LengthPredictor(),
         buffer=zero_variance.Groups.empty(),
         start_eval={},
@@ -444,6 +465,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
             out.update({k: float(v) for k, v in prep.items()})
             out.update(fill.metrics)
             out.update(gen.metrics(fill.batch))
+            out.update(host.stream.metrics())  # epochs drawn, draws the filters rejected
             out["zve/zvp_rate"] = out.get("zve/rollout_zvp_rate", 0.0)
             out["optim/lr"] = float(lr_schedule(int(state.step) - 1))
             metrics.check_finite(step + 1, out, ["loss/loss", "optim/grad_norm"])

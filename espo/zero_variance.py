@@ -445,6 +445,7 @@ def _zve_rules(c: ZveConfig) -> dict[str, tuple]:
         "prefilter_low": (lambda: 0 <= c.prefilter_low < 1, "[0, 1)"),
         "prefilter_high": (lambda: c.prefilter_low < c.prefilter_high <= 1, "(prefilter_low, 1]"),
         "prefilter_downweight": (lambda: 0 <= c.prefilter_downweight <= 1, "[0, 1]"),
+        "pass_rate_table": (isinstance(c.pass_rate_table, str), "a path, or '' (none)"),
         "group_size": (is_int(c.group_size) and c.group_size >= 1, "an int >= 1"),
         "max_group_size": (lambda: is_int(c.max_group_size) and c.max_group_size >= c.group_size,
                            "an int >= group_size"),
@@ -469,6 +470,9 @@ class ZveConfig:
     prefilter_low: float = 0.0  # pass rates <= this are flagged (never solved)
     prefilter_high: float = 1.0  # pass rates >= this are flagged (always solved)
     prefilter_downweight: float = 0.1  # sampling weight of flagged prompts in "downweight"
+    # A PassRateTable file (`espo.pass_rates`) that seeds a fresh run's pass-rate history, so
+    # the pre-filter and adaptive G act from the first step; "": the online history alone.
+    pass_rate_table: str = ""
     group_size: int = 8  # rollout stage: G of well-mixed and unknown prompts (g_min)
     max_group_size: int = 8  # rollout stage: adaptive G cap (g_max); == group_size: fixed G
     zvp_target: float = 0.5  # rollout stage: largest acceptable p^G + (1-p)^G

@@ -138,9 +138,18 @@ def test_replay_paired_quick(out):
 @pytest.mark.slow
 def test_zve_training_quick(out):
     repro = _load("repro_zve_training")
-    argv = ["--quick", "--seeds", "0", "--arms", "plain,rl_zvp", "--out", str(out / "zve")]
+    argv = ["--quick", "--seeds", "0", "--arms", "plain,rl_zvp,full,offline"]
+    argv += ["--out", str(out / "zve")]
     data = repro.main([*argv, "--warm-start", str(out / "warm_default"), "--no-progress"])
     plain, rl_zvp = data["plain"], data["rl_zvp"]
+    # The offline arm: the full pipeline from a pass-rate table of the pool estimated before
+    # its first step (its rollouts counted in its cost to the target).
+    table = json.loads((out / "zve" / "pass_rates.json").read_text())
+    assert table["num_samples"] == repro.OFFLINE_SAMPLES and table["pass_rates"]
+    cfg = json.loads((out / "zve" / "offline" / "seed0" / "config.json").read_text())
+    assert cfg["zve"]["pass_rate_table"] == str(out / "zve" / "pass_rates.json")
+    full, offline = (data[a][f"rollouts to pass@1 {repro.TARGET}"][0] for a in ("full", "offline"))
+    assert offline >= len(table["pass_rates"]) * table["num_samples"] or full == offline == np.inf
     # Same rollouts (same seed, same warm start); RL-ZVP gives the zero-variance groups'
     # tokens a gradient that plain GRPO's zero advantages do not.
     assert plain["rollouts"] == rl_zvp["rollouts"] and plain["rollouts"][0] > 0
