@@ -3,7 +3,7 @@
 The offline stage of zero-variance elimination ("Each Prompt Matters"; the difficulty filtering
 of DAPO / Polaris recipes): `estimate(config)` samples `num_samples` completions of each training
 prompt with the policy RL starts from (`model.init_from` or `model.hf_path`), at the rollout's
-temperature, top-p and largest budget, scores them with the run's verifier and returns a
+temperature, top-p, largest budget and activation dtype (without FP8), scores them with the run's verifier and returns a
 `zero_variance.PassRateTable` (a sample passes when its reward is > advantage.success_threshold).
 
   python experiments/pass_rates.py --config configs/default.py \\
@@ -13,7 +13,9 @@ temperature, top-p and largest budget, scores them with the run's verifier and r
 
 A run given the table starts its pass-rate history from it (rate x N passes, (1 - rate) x N
 failures: `PassRateHistory.from_table`), so the pre-filter and adaptive G act from the first step;
-the online history then updates it as usual. An estimate that stops part way resumes from its
+the online history then updates it as usual. Take N >= 10 with the default thresholds: through
+the history's Beta(0.5, 0.5) prior an always-solved prompt reads (N + 0.5) / (N + 1), under
+zve.prefilter_high = 0.95 when N < 10. An estimate that stops part way resumes from its
 output file: prompts already in it (same policy and N) are not sampled again.
 """
 
