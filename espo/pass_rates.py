@@ -3,8 +3,9 @@
 The offline stage of zero-variance elimination ("Each Prompt Matters"; the difficulty filtering
 of DAPO / Polaris recipes): `estimate(config)` samples `num_samples` completions of each training
 prompt with the policy RL starts from (`model.init_from` or `model.hf_path`), at the rollout's
-temperature, top-p, largest budget and activation dtype (without FP8), scores them with the run's verifier and returns a
-`zero_variance.PassRateTable` (a sample passes when its reward is > advantage.success_threshold).
+temperature, top-p, largest budget and activation dtype (without FP8), scores them with the
+run's verifier and returns a `zero_variance.PassRateTable` (a sample passes when its reward is >
+advantage.success_threshold).
 
   python experiments/pass_rates.py --config configs/default.py \\
       --config.model.init_from=runs/warm --samples 16 --out runs/pass_rates.json
