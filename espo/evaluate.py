@@ -291,8 +291,8 @@ def evaluate(
 def sampled_rewards(
     model,
     params,
-    prompts: Sequence[Sequence[int]],
     *,
+    prompts: Sequence[Sequence[int]],
     metas: Sequence[Mapping],
     prompt_texts: Sequence[str],
     reward_fn: Callable[[str, str, Mapping], float],

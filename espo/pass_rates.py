@@ -101,7 +101,7 @@ def estimate(
 
     def sample_fn(batch, n, *, start):  # the key of a chunk is its position: a resume is exact
         return evaluate.sampled_rewards(
-            handle, params, [tok.encode_prompt(e.prompt) for e in batch],
+            handle, params, prompts=[tok.encode_prompt(e.prompt) for e in batch],
             metas=[e.meta for e in batch], prompt_texts=[e.prompt for e in batch],
             reward_fn=reward_fn, detokenize=tok.decode, key=jax.random.fold_in(key, start),
             cfg=cfg, sampling_kw=sampling_kw,

@@ -107,7 +107,7 @@ def test_sampled_rewards_keeps_each_prompts_rows():
 
     ecfg = evaluate.EvalConfig(samples=3, temperature=1.0, max_new_tokens=4, batch_size=6)
     rewards = evaluate.sampled_rewards(
-        cfg, params, prompts, metas=[{"i": i} for i in range(5)], prompt_texts=texts,
+        cfg, params, prompts=prompts, metas=[{"i": i} for i in range(5)], prompt_texts=texts,
         reward_fn=reward_fn, detokenize=lambda ids: str(ids), key=jax.random.key(1), cfg=ecfg,
         sampling_kw=dict(stop_ids=(0,), pad_id=0),
     )  # fmt: skip
@@ -115,7 +115,7 @@ def test_sampled_rewards_keeps_each_prompts_rows():
     assert sorted(seen) == sorted((t, i) for i, t in enumerate(texts) for _ in range(3))
     with pytest.raises(ValueError, match="one entry per prompt"):
         evaluate.sampled_rewards(
-            cfg, params, prompts, metas=[{}], prompt_texts=texts, reward_fn=reward_fn,
+            cfg, params, prompts=prompts, metas=[{}], prompt_texts=texts, reward_fn=reward_fn,
             detokenize=str, key=jax.random.key(1), cfg=ecfg, sampling_kw={},
         )  # fmt: skip
 
