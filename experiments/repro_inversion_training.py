@@ -57,8 +57,10 @@ LABEL_NOISE = 0.2  # share of the models' training labels corrupted
 # training pairs, 600 steps each): BT RM test pair accuracy 0.864 (best validation at step
 # 100), dead zone 0.089 with tie accuracy 0.973; judge pair accuracy 0.748, tie accuracy 0.984.
 PROMPTS = {"quick": (32, 32), "default": (3072, 768)}
-STEPS = {"quick": 2, "default": 1500}  # optimiser steps of each model
+STEPS = {"quick": 2, "default": 1500}  # optimiser steps of the RM at most
+JUDGE_STEPS = {"quick": 2, "default": 600}  # of the judge (~3 s a step on 2 cores)
 EVAL_EVERY = 50  # the BT RM overfits its noisy labels fast (pilot: best at step 100)
+PATIENCE = 300  # steps without a better validation score that stop a fit
 LR, BATCH = 1e-4, 32
 # Nothing in training reads the verifier: the pass-rate pre-filter and adaptive G are off.
 HIDDEN = {
@@ -89,6 +91,21 @@ RM_KEYS = (
 class Groups:
     """The warm-start policy's samples of `num_prompts` prompts, G each, scored by the verifier:
     rows [P, G, T] (prompt + completion, padded right), masks [P, G, T], correct [P, G]."""
+
+    @classmethod
+    def cached(cls, path: pathlib.Path, preset: str, params, **kw) -> Groups:
+        """The groups saved in `path` (.npz), else sampled and saved there."""
+        if path.exists():
+            self = cls.__new__(cls)
+            with np.load(path) as f:
+                self.rows, self.masks, self.correct = f["rows"], f["masks"], f["correct"]
+                self.demonstrations = int(f["demonstrations"])
+            return self
+        self = cls(preset, params, **kw)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, rows=self.rows, masks=self.masks, correct=self.correct,
+                            demonstrations=self.demonstrations)  # fmt: skip
+        return self
 
     def __init__(self, preset: str, params, *, seed: int, num_prompts: int, G: int = 8):
         s = config_lib.Settings.from_config(repro_lib.config(preset, name=NAME))
@@ -173,8 +190,12 @@ def train_models(out: pathlib.Path, warm: pathlib.Path, preset: str, *, seed: in
     cfg, policy = s.model, trainer.params_of_run(str(warm), s.model)
     rng = np.random.default_rng(seed)
     n_train, n_held = PROMPTS[preset]
-    train = Groups(preset, policy, seed=seed, num_prompts=n_train)
-    held = Groups(preset, policy, seed=seed + 1000, num_prompts=n_held)
+    models = out / "models"  # every part is saved as it is done: a rerun resumes
+    train = Groups.cached(
+        models / "groups_train.npz", preset, policy, seed=seed, num_prompts=n_train
+    )
+    held = Groups.cached(models / "groups_held.npz", preset, policy, seed=seed + 1000,
+                         num_prompts=n_held)  # fmt: skip
     rows, masks, labels = train.pairs(rng)
     h_rows, h_masks, h_labels = held.pairs(rng)
     val = np.arange(len(h_labels)) % 2 == 0  # validation / test halves of the held-out pairs
@@ -212,11 +233,18 @@ def train_models(out: pathlib.Path, warm: pathlib.Path, preset: str, *, seed: in
         b = (d_rows[pick, 0], d_rows[pick, 1], d_masks[pick, 0], d_masks[pick, 1])
         return rm.PreferenceBatch(*b)
 
-    params = {**rm.init_reward_model(cfg, jax.random.key(seed)), "backbone": policy}
-    rm_val = lambda p: accuracies(rm_gaps(p, val), val, tie_band=0.0)["pair_accuracy"]
-    params, info["rm"] = _fit(
-        cfg, params, rm.bradley_terry_loss, rm_batch, len(d_rows), rm_val, preset, rng
-    )
+    rm_dir, rm_fit = models / "reward_model", models / "reward_model_fit.json"
+    if rm_fit.exists():  # saved with the record of its fit
+        params, info["rm"] = model_rewards.load(rm_dir)[1], json.loads(rm_fit.read_text())
+    else:
+        params = {**rm.init_reward_model(cfg, jax.random.key(seed)), "backbone": policy}
+        rm_val = lambda p: accuracies(rm_gaps(p, val), val, tie_band=0.0)["pair_accuracy"]
+        params, info["rm"] = _fit(
+            cfg, params, rm.bradley_terry_loss, rm_batch, len(d_rows), rm_val, STEPS[preset],
+            rng,
+        )  # fmt: skip
+        model_rewards.save(rm_dir, cfg, params)
+        rm_fit.write_text(json.dumps(info["rm"]) + "\n")
     gaps_val = rm_gaps(params, val)
     info["dead_zone"] = _calibrate(np.abs(gaps_val), h_labels[val] == 1, gaps_val > 0)
     gaps = rm_gaps(params, ~val)
@@ -224,8 +252,9 @@ def train_models(out: pathlib.Path, warm: pathlib.Path, preset: str, *, seed: in
     info["rm"] |= accuracies(gaps, ~val, tie_band=0.0)
     info["rm"] |= {"tie_accuracy": zoned["tie_accuracy"],
                    "pair_accuracy_dead_zone": zoned["pair_accuracy"]}  # fmt: skip
-    model_rewards.save(out / "models" / "reward_model", cfg, params)
-    # The judge: every pair in both orders, LABEL_NOISE of the labels replaced.
+    # The judge: every pair in both orders, LABEL_NOISE of the labels replaced (its own
+    # generator: the same labels and batches whether the RM was fitted in this run or loaded).
+    rng = np.random.default_rng([seed, 1])
     j_rows, j_masks, j_labels = _both_orders(rows, masks, _noisy_labels(labels, rng))
 
     def judge_batch(pick):
@@ -236,27 +265,31 @@ def train_models(out: pathlib.Path, warm: pathlib.Path, preset: str, *, seed: in
     params = {**pair_judge.init_pair_judge(cfg, jax.random.key(seed)), "backbone": policy}
     three_way = lambda p: _three_way(judge_scores(p, val), h_labels[val])
     params, info["judge"] = _fit(
-        cfg, params, pair_judge.judge_loss, judge_batch, len(j_labels), three_way, preset, rng
-    )
+        cfg, params, pair_judge.judge_loss, judge_batch, len(j_labels), three_way,
+        JUDGE_STEPS[preset], rng,
+    )  # fmt: skip
     info["judge"] |= accuracies(judge_scores(params, ~val), ~val, tie_band=0.0)
     model_rewards.save(out / "models" / "judge", cfg, params, kind="pairwise")
     done.write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
-def _fit(cfg, params, loss, batch_of, n, validate, preset, rng) -> tuple[dict, dict]:
-    """STEPS[preset] Adam steps on random batches of the n examples; the params of the best
-    validation score (checked every EVAL_EVERY steps and at the end) and what was chosen."""
+def _fit(cfg, params, loss, batch_of, n, validate, steps, rng) -> tuple[dict, dict]:
+    """Up to `steps` Adam steps on random batches of the n examples, stopped once validation
+    (checked every EVAL_EVERY steps and at the end) has not improved for PATIENCE steps; the
+    params of the best validation score and what was chosen."""
     optimizer = optax.adam(LR)
     step, opt_state = rm.make_train_step(cfg, optimizer, loss), optimizer.init(params)
     best = (-1.0, 0, params)
-    for i in range(1, STEPS[preset] + 1):
+    for i in range(1, steps + 1):
         params, opt_state, m = step(params, opt_state, batch_of(rng.integers(n, size=BATCH)))
-        if i % EVAL_EVERY == 0 or i == STEPS[preset]:
+        if i % EVAL_EVERY == 0 or i == steps:
             v = validate(params)
             print(f"step {i}: loss {float(m['loss']):.3f}, validation {v:.3f}", flush=True)
             best = max(best, (v, i, params), key=lambda b: b[:2])
-    return best[2], {"chosen_step": best[1], "validation": best[0]}
+            if i - best[1] >= PATIENCE:
+                break
+    return best[2], {"chosen_step": best[1], "validation": best[0], "steps": i}
 
 
 def _three_way(pref: np.ndarray, labels: np.ndarray) -> float:

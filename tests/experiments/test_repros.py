@@ -4,6 +4,7 @@ resumes instead of retraining. Both scripts share one output directory (and its 
 
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -228,7 +229,7 @@ def test_system_quick(out):
 
 
 @pytest.mark.slow
-def test_inversion_training_quick(out):
+def test_inversion_training_quick(out, monkeypatch):
     """The verifier hidden: a BT RM and a pair judge trained from configs/default.py's tiny warm
     start; the RM arms score the same first rollouts with the same RM (the same pair
     accuracy), the judge arm loads the judge, no arm reads pass rates, and the table names
@@ -244,6 +245,17 @@ def test_inversion_training_quick(out):
     cfg = json.loads((out / "inversion" / "judge" / "seed0" / "config.json").read_text())
     assert cfg["reward"]["model_path"].endswith("judge") and cfg["zve"]["prefilter"] == "off"
     assert "| B/T/W judge |" in (out / "inversion" / "results.md").read_text()
+    # The models resume from what is saved: the sampled groups and the fitted RM are reused
+    # (sampling or fitting again would fail here) and give the same accuracies and dead zone.
+    saved = out / "inversion" / "models"
+    (saved.parent / "models.json").rename(saved.parent / "models_first.json")
+    shutil.rmtree(saved / "judge")
+    monkeypatch.setattr(repro.Groups, "__init__", lambda *a, **k: pytest.fail("sampled again"))
+    monkeypatch.setattr(
+        repro.rm, "init_reward_model", lambda *a, **k: pytest.fail("fitted the RM again")
+    )
+    again = repro.train_models(saved.parent, out / "warm_default", "quick", seed=0)
+    assert again == json.loads((saved.parent / "models_first.json").read_text())
 
 
 @pytest.mark.slow
