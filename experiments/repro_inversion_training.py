@@ -356,12 +356,15 @@ def main(argv=None) -> dict:
         seeds="0,1,2", default=DEFAULT_ARMS,
     )  # fmt: skip
     out, seeds = pathlib.Path(args.out), repro_lib.seeds_of(args)
-    warm = repro_lib.warm_start(
-        repro_lib.warm_dir(args), args.preset, seed=seeds[0], progress=not args.no_progress,
-        name=NAME,
-    )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    info = train_models(out, warm, args.preset, seed=seeds[0])
+    if args.records:  # a table from kept curves: the models' record lies beside them
+        info = json.loads((pathlib.Path(args.records).parent / "models.json").read_text())
+    else:
+        warm = repro_lib.warm_start(
+            repro_lib.warm_dir(args), args.preset, seed=seeds[0],
+            progress=not args.no_progress, name=NAME,
+        )  # fmt: skip
+        info = train_models(out, warm, args.preset, seed=seeds[0])
     print(f"models: {json.dumps(info)}", flush=True)
     judge = {"reward.model_path": str(out / "models" / "judge")}
     arm_list = [
