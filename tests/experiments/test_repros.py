@@ -245,6 +245,10 @@ def test_inversion_training_quick(out, monkeypatch):
     cfg = json.loads((out / "inversion" / "judge" / "seed0" / "config.json").read_text())
     assert cfg["reward"]["model_path"].endswith("judge") and cfg["zve"]["prefilter"] == "off"
     assert "| B/T/W judge |" in (out / "inversion" / "results.md").read_text()
+    # The table again from the kept curves and the models' record beside them, without training.
+    rebuilt = repro.main([*argv[:-1], str(out / "inversion_again"), "--no-progress",
+                          "--records", str(out / "inversion" / "records")])  # fmt: skip
+    assert rebuilt == json.loads((out / "inversion" / "results.json").read_text())
     # The models resume from what is saved: the sampled groups and the fitted RM are reused
     # (sampling or fitting again would fail here) and give the same accuracies and dead zone.
     saved = out / "inversion" / "models"
