@@ -44,7 +44,7 @@ def _fitting_train_prompts(cfg):
     return [e for e in exs if len(tok.encode_prompt(e.prompt)) <= s.max_prompt_length]
 
 
-def test_estimate_by_hand_with_a_reward_known_before_sampling(tmp_path):
+def test_estimate_by_hand_with_a_reward_known_before_sampling(tmp_path, monkeypatch):
     """Every prompt's rate is its prompt's parity; the first max_prompts fitting training
     prompts, keyed by example id, scored at advantage.success_threshold; written to `out` and
     resumed from it (a second call samples nothing: its sampler is never called)."""
@@ -58,6 +58,7 @@ def test_estimate_by_hand_with_a_reward_known_before_sampling(tmp_path):
     assert table.num_samples == 3 and table.success_threshold == 0.5
     assert table.policy_tag == "initialised with seed 0"
     assert zv.PassRateTable.load(out) == table
+    monkeypatch.setattr(evaluate, "sampled_rewards", lambda *a, **k: pytest.fail("sampled"))
     again = pass_rates.estimate(cfg, num_samples=3, max_prompts=6, out=out, prompts_per_call=4)
     assert again == table
     with pytest.raises(FileExistsError, match="delete it or choose another --out"):
