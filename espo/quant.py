@@ -148,27 +148,34 @@ def quantize_fp8(
 
 @flax.struct.dataclass
 class ScaledWeight:
-    """A per-output-channel FP8 weight as the matmul reads it: `values` (the FP8 values in the
-    compute dtype: a plain convert, which XLA:GPU fuses into the GEMM's operand load) and the
-    float32 `scale` [*lead, *out] applied to the product's output. Multiplying the scales in
-    first writes a dequantized copy of every weight before each matmul (on an H100, M=8 rows
-    times 8 [2048, 8192] weights, `bench_moe.py --only fp8`: 16 copies and 0.40x bf16's time,
-    against no copy and 0.93x with the scale after the dot; 0.47x / 1.13x at M=64). The
-    product is exact in the values (e4m3 is exact in bf16) with float32 accumulation."""
+    """A per-output-channel FP8 weight as the matmul reads it: `values` (the FP8 values as
+    stored; `operand()` converts them to the compute dtype `dtype`, a plain convert that XLA:GPU
+    fuses into the GEMM's operand load, and a kernel may read them as FP8 and convert in
+    registers) and the float32 `scale` [*lead, *out] applied to the product's output.
+    Multiplying the scales in first writes a dequantized copy of every weight before each
+    matmul (on an H100, M=8 rows times 8 [2048, 8192] weights, `bench_moe.py --only fp8`: 16
+    copies and 0.40x bf16's time, against no copy and 0.93x with the scale after the dot;
+    0.47x / 1.13x at M=64). The product is exact in the values (e4m3 is exact in bf16) with
+    float32 accumulation."""
 
     values: jax.Array
     scale: jax.Array
     num_out_axes: int = flax.struct.field(pytree_node=False)
+    compute_dtype: str = flax.struct.field(pytree_node=False, default="bfloat16")
 
     shape = property(lambda self: self.values.shape)
-    dtype = property(lambda self: self.values.dtype)
+    dtype = property(lambda self: jnp.dtype(self.compute_dtype))
+
+    def operand(self) -> jax.Array:
+        """The values in the compute dtype (exact: e4m3 values are exact in bf16)."""
+        return self.values.astype(self.dtype)
 
     def dense(self) -> jax.Array:
         """values * scale as one weight in the compute dtype (paths with no scaled form)."""
         lead = self.scale.ndim - self.num_out_axes
         n_in = self.values.ndim - lead - self.num_out_axes
         scale = self.scale.reshape(*self.scale.shape[:lead], *(1,) * n_in, *self.scale.shape[lead:])
-        return (self.values.astype(jnp.float32) * scale).astype(self.values.dtype)
+        return (self.values.astype(jnp.float32) * scale).astype(self.dtype)
 
 
 def compute_weight(w, dtype):
@@ -178,9 +185,10 @@ def compute_weight(w, dtype):
         lead, _, _ = _canonical_shape(w.values.shape, w.num_in_axes, w.num_out_axes)
         out = w.values.shape[w.values.ndim - w.num_out_axes :]
         return ScaledWeight(
-            values=w.values.astype(dtype),
+            values=w.values,
             scale=w.scales.reshape(*lead, *out),
             num_out_axes=w.num_out_axes,
+            compute_dtype=jnp.dtype(dtype).name,
         )
     return w.astype(dtype)
 
@@ -191,7 +199,7 @@ def project(equation: str, x: jax.Array, w, dtype) -> jax.Array:
     w = compute_weight(w, dtype)
     if not isinstance(w, ScaledWeight):
         return jnp.einsum(equation, x, w)
-    y = jnp.einsum(equation, x, w.values, preferred_element_type=jnp.float32)
+    y = jnp.einsum(equation, x, w.operand(), preferred_element_type=jnp.float32)
     return (y * w.scale).astype(dtype)
 
 

@@ -11,10 +11,13 @@ in the same run):
           A ratio near E says every row is multiplied by every expert (dense).
   gmm:    the same paths timed, forward at decode rows (B=8 and B=64 tokens x K) and forward +
           backward at update rows, the Mosaic GPU grouped matmul (`mosaic_gpu`,
-          espo.model.grouped; its reference form off Hopper) among them; each checked against
-          `ragged` (XLA's ragged_dot, the suite's reference) before it is timed. Reported: ms,
-          useful TFLOP/s, and at decode the touched experts' weight bytes / time against the HBM
-          peak.
+          espo.model.grouped; its reference form off Hopper) and the Triton one (`triton`:
+          programs only for the touched experts' rows; interpret mode off a GPU) among them;
+          each checked against `ragged` (XLA's ragged_dot, the suite's reference) before it is
+          timed. Reported: ms, useful TFLOP/s, and at decode the touched experts' weight bytes /
+          time against the HBM peak.
+  tiles:  the Triton path's forward at decode rows, bf16 and FP8 experts, per tile setting
+          (TILES: grouped.TRITON_TILES' block widths, warps, pipeline stages).
   decode: kernels per decode step (the top-level ops of the sampler's `while_loop` body, loops
           inside it counted by their trip counts), tokens/s and ms a step, bf16 and FP8 weights,
           B=8 and B=64, the layers as a scan over stacked [L, ...] weights (the GPU layout
@@ -45,12 +48,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from espo import model, quant, sampler
-from espo.model import layers, moe
+from espo.model import grouped, layers, moe
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_rollout  # noqa: E402
 
-SECTIONS = ("hlo", "gmm", "fp8", "decode", "attention")
+SECTIONS = ("hlo", "gmm", "tiles", "fp8", "decode", "attention")
+# The Triton grouped matmul's tiles tried by the tiles section (grouped.TRITON_TILES fields).
+TILES = (
+    dict(block_n=128, block_k=128, num_warps=4, num_stages=3),
+    dict(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    dict(block_n=128, block_k=64, num_warps=4, num_stages=4),
+    dict(block_n=64, block_k=64, num_warps=2, num_stages=4),
+    dict(block_n=128, block_k=128, num_warps=8, num_stages=3),
+    dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
+    dict(block_n=128, block_k=128, num_warps=4, num_stages=3, fp8_operand="float16"),
+    dict(block_n=64, block_k=128, num_warps=4, num_stages=3, fp8_operand="float16"),
+    dict(block_n=128, block_k=64, num_warps=4, num_stages=4, fp8_operand="float16"),
+)
 GPU_MODEL = dict(
     vocab_size=32000, d_model=2048, num_layers=12, num_heads=16, num_kv_heads=4, head_dim=128,
     num_experts=16, top_k=2, moe_ffn_dim=1408, qk_norm=True, param_dtype="bfloat16",
@@ -246,6 +261,39 @@ def gmm_rows(impls, *, d, f, experts, top_k, dtype, row_counts, peak_gbs, timed=
     return out
 
 
+def tile_rows(*, d, f, experts, top_k, dtype, peak_gbs, tokens_list=(8, 64), tiles=TILES):
+    """The Triton path's forward (bf16 and FP8 experts) at decode rows per tile setting: ms and
+    the touched experts' weight bytes / time against the HBM peak."""
+    weights = expert_weights(jax.random.key(1), d=d, f=f, experts=experts, dtype=dtype)
+    names = ("gate_proj", "up_proj", "down_proj")
+    q = quant.quantize_fp8(dict(zip(names, weights, strict=True)), granularity="channel")
+    fp8 = [quant.compute_weight(q[n], dtype) for n in names]
+    out = []
+    for tokens in tokens_list:
+        xs, gs, touched = routed_rows(
+            jax.random.key(tokens), tokens=tokens, d=d, experts=experts, top_k=top_k, dtype=dtype
+        )  # fmt: skip
+        ref = np.asarray(jax.jit(ffn_of("ragged"))(xs, gs, *weights), np.float32)
+        for tile in tiles:
+            for name, ws, itemsize in (
+                ("bf16", weights, jnp.dtype(dtype).itemsize),
+                ("fp8", fp8, 1),
+            ):
+                row = {"tokens": tokens, "weights": name, **tile}
+                try:
+                    with mock.patch.dict(grouped.TRITON_TILES, tile):
+                        fn = jax.jit(ffn_of("triton"))
+                        row["max_rel_err"] = _rel_err(fn(xs, gs, *ws), ref)
+                        ms = _steady_ms(fn, (xs, gs, *ws))
+                    nbytes = touched * 3 * d * f * itemsize
+                    row.update(ms=ms, gbs=nbytes / ms / 1e6, hbm=nbytes / ms / 1e6 / peak_gbs)
+                except Exception as err:
+                    row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                out.append(row)
+                print(json.dumps(row), flush=True)
+    return out
+
+
 # ---- FP8 weights at decode rows: where the dequantization happens, and what it costs --------
 def _fp8_forms():
     """x [M, D] times each of a list of [D, N] weights, per form: the bf16 weights; FP8 as the
@@ -427,7 +475,12 @@ def main(argv=None) -> dict:
         help="a persistent compilation cache directory (the "
         "decode section compiles each sampler twice: once for its HLO, once to run)",
     )
+    ap.add_argument(
+        "--tiles", default="", help='JSON: grouped.TRITON_TILES fields for every section, e.g. '
+        '\'{"block_k": 64, "fp8_operand": "float16"}\''
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    grouped.TRITON_TILES.update(json.loads(args.tiles or "{}"))
     if args.cache:
         jax.config.update("jax_compilation_cache_dir", args.cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -441,7 +494,8 @@ def main(argv=None) -> dict:
     d, f, e, k = cfg.d_model, cfg.moe_ffn_dim, cfg.num_experts, cfg.top_k
     print(f"backend {jax.default_backend()} ({kind}), jax {jax.__version__}: D={d} F={f} E={e} "
           f"K={k} {dtype.name}", flush=True)  # fmt: skip
-    impls = ["ragged", "capacity", "blocked", "mosaic_gpu"]  # mosaic_gpu: its reference off Hopper
+    # mosaic_gpu: its reference off Hopper; triton: its interpret mode off a GPU
+    impls = ["ragged", "capacity", "blocked", "mosaic_gpu", "triton"]
     row_counts = [(8, False), (64, False), (64 if args.quick else 4096, True)]
     result: dict = {"backend": jax.default_backend(), "device": kind, "jax": jax.__version__,
                     "model": dataclasses.asdict(cfg)}  # fmt: skip
@@ -449,6 +503,12 @@ def main(argv=None) -> dict:
                   peak_gbs=peak or float("nan"))  # fmt: skip
     if "hlo" in only or "gmm" in only:
         result["gmm"] = gmm_rows(impls, timed="gmm" in only, **shapes)
+    if "tiles" in only:
+        result["tiles"] = tile_rows(
+            **{k: v for k, v in shapes.items() if k != "row_counts"},
+            tokens_list=(8,) if args.quick else (8, 64),
+            tiles=TILES[:2] if args.quick else TILES,
+        )
     if "fp8" in only:
         dims = dict(d=64, n=128, sets=2) if args.quick else dict(d=d, n=4 * d, sets=8)
         result["fp8"] = fp8_rows(

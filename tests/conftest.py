@@ -18,6 +18,7 @@
 """
 
 import atexit
+import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -29,8 +30,17 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 # Read when the CPU backend starts (the first computation), so setting it here is in time; tests
 # that start a subprocess with more flags append theirs (`testing.emulated_devices_env`).
+# Not with an accelerator plugin installed: its jaxlib may not know a CPU flag, and XLA exits
+# on an unknown flag at the first computation, inside pytest's output capture (no message).
+_ACCELERATOR = any(
+    (d.metadata["Name"] or "")
+    .lower()
+    .replace("_", "-")
+    .startswith(("jax-cuda", "jax-rocm", "libtpu"))
+    for d in importlib.metadata.distributions()
+)
 for _FAST_COMPILE in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
-    if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    if not _ACCELERATOR and _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 # A persistent compilation cache for this session: the many trainer runs of the tiny configs
 # (and other tests that build the same programs with new jit objects) compile once. Fresh per

@@ -283,7 +283,7 @@ def test_fp8_weights_multiply_as_values_then_scales(granularity):
     dq = quant.dequantize(q, "float32")
     tokens = jax.random.randint(jax.random.key(1), (3, 7), 0, cfg.vocab_size)
     m = model.Model(cfg)
-    for impl in ("ragged", "capacity", "blocked"):
+    for impl in ("ragged", "capacity", "blocked", "triton"):
         forward = jax.jit(functools.partial(model.forward, cfg, dispatch_impl=impl))
         want = forward(dq, tokens)
         for p in (q, m.decode_params(q)):

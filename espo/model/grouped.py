@@ -9,9 +9,15 @@ on an H100), so `moe.expert_ffn(impl="mosaic_gpu")` runs the experts through thi
     `transpose_rhs`, i.e. dy [R, N] x w[g]^T);
   * dw: `transposed_ragged_dot_mgpu.transposed_ragged_dot`, x[group]^T dy[group] per group
     (an empty group gets zeros).
-`kernels="reference"` runs the same VJP with `jax.lax.ragged_dot` and a masked einsum in place
-of the kernels: the CPU-checkable form the suite tests against `moe.moe_reference` (the Mosaic
-GPU kernels themselves have no interpret mode; tests/model/test_grouped.py checks them on a GPU).
+`kernels="triton"` is a grouped matmul for decode-sized row counts in Pallas' Triton backend
+(`_triton_ragged`): one program per (group, column block, row block) that holds rows, so an
+expert no row is routed to is never read, and FP8 weights are read as FP8 and converted in
+registers, their per-column scales applied to the product (`scaled_gmm`). Its dw is the
+reference's (decode needs no gradient); off a GPU it runs in Pallas' interpret mode, the form
+the suite checks. `kernels="reference"` runs the same VJP with `jax.lax.ragged_dot` and a
+masked einsum in place of the kernels: the CPU-checkable form the suite tests against
+`moe.moe_reference` (the Mosaic GPU kernels have no interpret mode; tests/model/test_grouped.py
+checks them on a GPU).
 Rows past sum(group_sizes) belong to no group: their outputs and gradients are 0.
 """
 
@@ -21,13 +27,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
 from espo import errors
 
-KERNELS = ("mosaic_gpu", "reference")
+KERNELS = ("mosaic_gpu", "triton", "reference")
 DTYPES = (jnp.bfloat16, jnp.float16)  # the kernels' wgmma operand types (no float32)
 TILE = 64  # block_m and block_k of the kernels: K and N must be multiples of it
+# The Triton kernel's widest column and contraction blocks, warps per program, pipeline stages.
+# fp8_operand: the type FP8 weights (and the rows) are multiplied in: the rows' own, or float16
+# (e4m3 -> f16 is one conversion on Hopper; rows outside f16's range would overflow).
+# Measured on an H100 (bench_moe.py --only tiles, D=2048, F=1408, E=16): these the fastest bf16
+# forward at 128 rows (0.21 ms against 0.22-0.30), within the spread at 16; float16 operands for
+# FP8 are faster alone (0.17 against 0.19-0.23 ms at 16 rows) and equal in the decode loop.
+TRITON_TILES = dict(block_n=128, block_k=64, num_warps=4, num_stages=4, fp8_operand="rows")
 
 
 def hopper() -> bool:
@@ -52,6 +66,100 @@ def _tiles(n: int) -> dict:
     return dict(block_m=TILE, block_n=block_n, block_k=TILE, max_concurrent_steps=4, grid_block_n=1)
 
 
+def _block(n: int, widest: int = 128) -> int:
+    """The widest power of two <= `widest` (and >= 16, Triton's smallest dot) dividing n."""
+    b = widest
+    while b > 16 and n % b:
+        b //= 2
+    return b
+
+
+def triton_supported(k: int, n: int) -> bool:
+    """Whether `gmm(kernels="triton")` takes [., k] x [G, k, n] as they are (widths multiples
+    of 16); other widths are padded to them, a copy of the weights per call."""
+    return k % 16 == 0 and n % 16 == 0
+
+
+def _gmm_kernel(sizes_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, k, transpose_rhs, operand):
+    """Program (g, j, m): rows m*bm.. of group g times columns j*bn.. of w[g], if it has them."""
+    from jax.experimental.pallas import triton as plgpu
+
+    *scale_ref, o_ref = refs
+    g, j, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    left = sizes_ref[g] - m * bm  # rows of group g from this block on
+
+    @pl.when(left > 0)
+    def _():
+        rows, cols = pl.ds(starts_ref[g] + m * bm, bm), pl.ds(j * bn, bn)
+
+        def body(i, acc):
+            ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+            w = w_ref[g, cols, ks] if transpose_rhs else w_ref[g, ks, cols]
+            a = x_ref[rows, ks].astype(operand)
+            dims = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
+            return acc + jax.lax.dot_general(
+                a, w.astype(operand), dims, preferred_element_type=jnp.float32
+            )
+
+        acc = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((bm, bn), jnp.float32))
+        if scale_ref:
+            acc = acc * scale_ref[0][g, cols][None, :]
+        mask = (jnp.arange(bm) < left)[:, None]
+        plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=mask)
+
+
+def _triton_ragged(x, w, group_sizes, *, transpose_rhs=False, scale=None, interpret=None):
+    """x [R, K] (rows sorted by group) x w[g] -> [R, N]; rows past the groups are garbage.
+
+    The rows are padded by one block so every program's row block is in bounds; a program
+    stores only its own group's rows. `scale` [G, N] (float32) multiplies group g's products."""
+    R, K = x.shape
+    N = w.shape[1] if transpose_rhs else w.shape[2]
+    if not triton_supported(K, N):  # widths to multiples of 16: a padded copy of w
+        k16, n16 = -K % 16, -N % 16
+        x = jnp.pad(x, ((0, 0), (0, k16)))
+        w = jnp.pad(
+            w, ((0, 0), (0, n16), (0, k16)) if transpose_rhs else ((0, 0), (0, k16), (0, n16))
+        )
+        scale = None if scale is None else jnp.pad(scale, ((0, 0), (0, n16)))
+        return _triton_ragged(
+            x, w, group_sizes, transpose_rhs=transpose_rhs, scale=scale, interpret=interpret
+        )[:, :N]
+    bm, bn, bk = 16, _block(N, TRITON_TILES["block_n"]), _block(K, TRITON_TILES["block_k"])
+    starts = (jnp.cumsum(group_sizes) - group_sizes).astype(jnp.int32)
+    operand = x.dtype
+    if jnp.dtype(w.dtype).itemsize == 1 and TRITON_TILES["fp8_operand"] == "float16":
+        operand = jnp.float16
+    kernel = functools.partial(
+        _gmm_kernel, bm=bm, bn=bn, bk=bk, k=K, transpose_rhs=transpose_rhs, operand=operand
+    )
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    extra = {} if interpret else {"compiler_params": _triton_params()}
+    y = pl.pallas_call(
+        kernel,
+        grid=(w.shape[0], N // bn, pl.cdiv(R, bm)),
+        out_shape=jax.ShapeDtypeStruct((R + bm, N), x.dtype),
+        interpret=interpret,
+        **extra,
+    )(
+        group_sizes.astype(jnp.int32),
+        starts,
+        jnp.pad(x, ((0, bm), (0, 0))),
+        w,
+        *([] if scale is None else [scale.astype(jnp.float32)]),
+    )
+    return y[:R]
+
+
+def _triton_params():
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(
+        num_warps=TRITON_TILES["num_warps"], num_stages=TRITON_TILES["num_stages"]
+    )
+
+
 def _valid_rows(rows: int, group_sizes) -> jax.Array:
     return (jnp.arange(rows) < jnp.sum(group_sizes))[:, None]
 
@@ -65,12 +173,14 @@ def _ragged(x, w, group_sizes, *, kernels: str, transpose_rhs: bool = False):
         return ragged_dot_mgpu.ragged_dot(
             x, w, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **_tiles(n)
         )
+    if kernels == "triton":
+        return _triton_ragged(x, w, group_sizes, transpose_rhs=transpose_rhs)
     return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
 
 
 def _per_group_outer(x, dy, group_sizes, *, kernels: str):
     """sum over the rows r of group g of x[r]^T dy[r]: [R, K], [R, N] -> [G, K, N]."""
-    if kernels == "mosaic_gpu":
+    if kernels == "mosaic_gpu":  # "triton": the reference (its rows are decode's few)
         from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
         return transposed_ragged_dot_mgpu.transposed_ragged_dot(
@@ -108,6 +218,18 @@ def _gmm_bwd(kernels, res, dy):
 
 
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def scaled_gmm(
+    x: Float[Array, "R K"],
+    values: Float[Array, "G K N"],
+    scale: Float[Array, "G N"],
+    group_sizes: Int[Array, " G"],
+) -> Float[Array, "R N"]:
+    """`gmm(x, values * scale[:, None, :])` on the Triton kernel, the (FP8) values converted in
+    registers and each group's scales applied to its products; forward only."""
+    y = _triton_ragged(x, values, group_sizes, scale=scale)
+    return jnp.where(_valid_rows(x.shape[0], group_sizes), y, 0)
 
 
 def swiglu_experts(

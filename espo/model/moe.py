@@ -19,9 +19,12 @@ sorted by expert and handed to `expert_ffn`, a grouped matmul over contiguous ex
     (`espo.model.grouped`); its CPU form runs the same VJP with reference matmuls. On an H100
     (bench_moe.py, D=2048, F=1408, E=16, K=2): forward + backward at 8192 rows 1.80 ms,
     capacity 2.2-3.9, ragged 11.8.
+  * "triton" (the default on GPUs up to DENSE_ROWS rows: decode): a Pallas Triton grouped
+    matmul (`espo.model.grouped`) whose programs exist only for the touched experts' rows, FP8
+    weights read as FP8; interpret mode off a GPU.
   * "ragged": `jax.lax.ragged_dot`. XLA lowers it to a dense matmul over every expert on CPU
-    and on NVIDIA GPUs (the optimized HLO's FLOPs are E times the useful ones at decode rows),
-    which costs least only at decode-sized row counts (<= DENSE_ROWS); the TPU default.
+    and on NVIDIA GPUs (the optimized HLO's FLOPs are E times the useful ones at decode rows);
+    the TPU default.
   * "blocked": each expert's group is padded to a multiple of a block size and every block is
     multiplied by its expert's weights, gathered per block: at small groups (decode, many
     experts) the gathers copy more than all expert weights per matmul. Kept for comparison.
@@ -48,12 +51,13 @@ from espo.model import config as config_lib
 from espo.model import grouped, layers
 
 RoutingMode = config_lib.RoutingMode
-DISPATCH_IMPLS = ("auto", "ragged", "capacity", "blocked", "mosaic_gpu")
-# Up to this many rows (tokens x K) "auto" takes XLA's dense ragged_dot on a GPU (decode). On an
-# H100 at D=2048, F=1408, E=16 (bench_moe.py), alone: 0.28 / 0.26 ms at 16 / 128 rows against
-# capacity's 0.28-0.39 / 0.27-0.36 and Mosaic GPU's 0.26-0.33 / 0.23-0.27; in the decode loop
-# (B=8) ragged 3,452 tokens/s, Mosaic GPU 2,777. Forward + backward at 8192 rows: 6.5x Mosaic
-# GPU's time.
+DISPATCH_IMPLS = ("auto", "ragged", "capacity", "blocked", "mosaic_gpu", "triton")
+# Up to this many rows (tokens x K) "auto" takes the Triton grouped matmul on a GPU (decode;
+# XLA's dense ragged_dot where its widths do not fit). On an H100 at D=2048, F=1408, E=16
+# (bench_moe.py), alone: Triton 0.20 / 0.24 ms at 16 / 128 rows, ragged 0.22-0.28 / 0.26-0.29,
+# capacity 0.28-0.40 / 0.27-0.39, Mosaic GPU 0.26-0.33 / 0.23-0.27; in the decode loop (B=8)
+# Triton 3,953-3,968 tokens/s, ragged 3,209-3,452, Mosaic GPU 2,777. Forward + backward at 8192
+# rows: Mosaic GPU 1.8-2.0 ms, Triton 9.1, ragged 11.4-11.8.
 DENSE_ROWS = 128
 # What a replayed forward does with a real token whose recorded expert id is -1 (see `forward`).
 REPLAY_MISSING = ("error", "free")
@@ -166,6 +170,8 @@ def expert_ffn(
     expert's scales to its products, the other paths multiply them into the weights first.
     """
     scaled = [isinstance(w, quant.ScaledWeight) for w in (w_gate, w_up, w_down)]
+    if impl == "triton":
+        return _triton_ffn(xs, group_sizes, w_gate, w_up, w_down)
     if impl == "ragged" and any(scaled):
         return _scaled_ragged_ffn(xs, group_sizes, w_gate, w_up, w_down)
     if any(scaled):
@@ -198,11 +204,23 @@ def _scaled_ragged_ffn(xs, group_sizes, w_gate, w_up, w_down):
     def matmul(x, w):
         if not isinstance(w, quant.ScaledWeight):
             return jax.lax.ragged_dot(x, w, group_sizes)
-        y = jax.lax.ragged_dot(x, w.values, group_sizes, preferred_element_type=jnp.float32)
+        y = jax.lax.ragged_dot(x, w.operand(), group_sizes, preferred_element_type=jnp.float32)
         return (y * w.scale[row_expert]).astype(xs.dtype)
 
     h = _swiglu_rows(matmul(xs, w_gate), matmul(xs, w_up))  # [R, F]
     return matmul(h, w_down)  # [R, D]
+
+
+def _triton_ffn(xs, group_sizes, w_gate, w_up, w_down):
+    """The "triton" path: `grouped.gmm(kernels="triton")`; `quant.ScaledWeight`s go in as FP8
+    with their scales (`grouped.scaled_gmm`, forward only: FP8 weights are the sampler's)."""
+
+    def matmul(x, w):
+        if isinstance(w, quant.ScaledWeight):
+            return grouped.scaled_gmm(x, w.values, w.scale, group_sizes)
+        return grouped.gmm(x, w, group_sizes, "triton")
+
+    return matmul(_swiglu_rows(matmul(xs, w_gate), matmul(xs, w_up)), w_down)
 
 
 def capacity_for(rows: int, experts: int) -> int:
@@ -409,16 +427,19 @@ def _block_size(rows: int, experts: int) -> int:
 def default_impl(dtype=None, d: int = 0, f: int = 0, rows: int = 0) -> str:
     """The dispatch path of "auto" for `rows` rows [rows, d] and experts of width f in `dtype`:
     capacity on CPU, ragged on TPU. On a GPU (measured on an H100, docs/gpu): up to DENSE_ROWS
-    rows XLA's dense ragged_dot (decode; the Mosaic GPU kernels cost more there: 2,777 against
-    3,452 tokens/s at B=8), above it the Mosaic GPU kernels where they run (Hopper, bf16 / f16,
-    d and f multiples of 64; prefill and the update), else capacity."""
+    rows (decode) the Triton grouped matmul where it fits (one bf16 / f16 operand type, d and f
+    multiples of 16: `grouped.triton_supported`; float32 would multiply in TF32): 1.18-1.23x
+    XLA's dense ragged_dot's decode tokens/s at B=8, 1.0-1.09x at B=64; else ragged. Above
+    DENSE_ROWS the Mosaic GPU kernels where they run (Hopper, bf16 / f16, d and f multiples of
+    64; prefill and the update), else capacity."""
     backend = jax.default_backend()
     if backend == "cpu":
         return "capacity"
     if backend != "gpu":
         return "ragged"
     if rows <= DENSE_ROWS:
-        return "ragged"
+        fits = dtype in grouped.DTYPES and grouped.triton_supported(d, f)
+        return "triton" if fits and grouped.triton_supported(f, d) else "ragged"
     if dtype is not None and grouped.experts_supported(dtype, d, f):
         return "mosaic_gpu"
     return "capacity"

@@ -271,7 +271,7 @@ def forward(
       routing: a `RouterTrace` [B, L, T, K] to replay (required unless routing_mode is FREE).
       routing_mode: static; see `RoutingMode`.
       dispatch_impl: static; "auto" (`moe.default_impl`: capacity on CPU, Mosaic GPU kernels on
-        Hopper, ragged on TPU), "capacity", "ragged", "blocked" or "mosaic_gpu"
+        Hopper, ragged on TPU), "capacity", "ragged", "blocked", "mosaic_gpu" or "triton"
         (`moe.expert_ffn`).
       return_hidden: static; also return the final-norm hidden state [B, T, D] (for value or
         reward heads).

@@ -1,6 +1,8 @@
-"""The grouped matmul's custom VJP against XLA's ragged_dot and the per-expert loop; the Mosaic
-GPU kernels themselves on a Hopper GPU only: that test exists only there (experiments/gpu_check.sh
-runs this file on a lent GPU)."""
+"""The grouped matmul's custom VJP against XLA's ragged_dot and the per-expert loop; the Triton
+kernel in Pallas' interpret mode here and compiled on a GPU; the Mosaic GPU kernels on a Hopper
+GPU only: those tests exist only there (experiments/gpu_check.sh runs this file on a lent GPU)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,56 @@ def test_reference_kernels_value_and_gradients_equal_the_group_loop(groups):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("groups", GROUPS)
+def test_triton_kernel_value_and_gradients_equal_the_group_loop(groups):
+    # Off a GPU the kernel runs in Pallas' interpret mode: the same program per (group, column
+    # block, row block), row blocks that start inside another group, masked stores.
+    _check("triton", *_inputs(GROUPS[groups]), tol=1e-4)
+
+
+@pytest.mark.parametrize("groups", ["uneven", "one group"])
+def test_triton_kernel_reads_fp8_values_and_scales_each_group(groups):
+    """scaled_gmm(x, values, scale) is the loop over values * scale[g] (FP8 values converted
+    in the kernel: the pallas_call's operand is the FP8 array itself), rows past the groups 0."""
+    x, w, sizes, _ = _inputs(GROUPS[groups])
+    values = (w * 8).astype(jnp.float8_e4m3fn)
+    scale = jax.random.uniform(jax.random.key(7), (G, N), jnp.float32, 0.01, 0.2)
+    got = jax.jit(grouped.scaled_gmm)(x, values, scale, sizes)
+    want = _loop(x, values.astype(jnp.float32) * scale[:, None, :], sizes)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-4, rtol=1e-4)
+    jaxpr = jax.make_jaxpr(grouped.scaled_gmm)(x, values, scale, sizes).jaxpr
+    kernel = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert [v.aval.dtype for v in kernel[0].invars].count(jnp.float8_e4m3fn) == 1
+
+
+def test_triton_kernel_programs_store_only_their_own_groups_rows():
+    """A row block that runs past its group (group 0's second block holds 4 of its rows and 12
+    of group 2's; group 2's last block runs past every group) stores only its group's rows: on
+    a GPU the blocks run concurrently, so a wider store would race. Interpret mode fills the
+    output with NaN first, so rows no program owns stay NaN."""
+    x, w = jnp.ones((40, 64)), jnp.ones((3, 64, 32))
+    y = grouped._triton_ragged(x, w, jnp.asarray([20, 0, 15], jnp.int32), interpret=True)
+    np.testing.assert_array_equal(y[:35], 64.0)
+    assert np.isnan(np.asarray(y[35:])).all()
+
+
+def test_triton_kernel_lowers_for_cuda_without_a_gpu():
+    """The kernel goes through Pallas' Triton lowering for the CUDA platform here (what a GPU
+    compiles): bf16 rows on bf16 and FP8 weights, plain and transposed, at the bench model's
+    widths (F=1408: column and contraction blocks that are not the widest)."""
+    x = jnp.zeros((16, 2048), jnp.bfloat16)
+    sizes = jnp.zeros((16,), jnp.int32)
+    for w, kw in (
+        (jnp.zeros((16, 2048, 1408), jnp.bfloat16), {}),
+        (jnp.zeros((16, 1408, 2048), jnp.bfloat16), {"transpose_rhs": True}),
+        (jnp.zeros((16, 2048, 1408), jnp.float8_e4m3fn), {"scale": jnp.ones((16, 1408))}),
+    ):
+        fn = functools.partial(grouped._triton_ragged, interpret=False, **kw)
+        text = jax.jit(fn).trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @__gpu$xla.gpu.triton") == 1, kw
+
+
+@pytest.mark.slow
 def test_swiglu_experts_equal_xla_ragged_dispatch_and_refuse_unknown_kernels():
     sizes = jnp.asarray([9, 0, 14, 3], jnp.int32)
     k = jax.random.split(jax.random.key(3), 4)
@@ -79,7 +131,7 @@ def test_swiglu_experts_equal_xla_ragged_dispatch_and_refuse_unknown_kernels():
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
     with raises_invalid("kernels"):
-        grouped.swiglu_experts(*args, kernels="triton")
+        grouped.swiglu_experts(*args, kernels="cutlass")
 
 
 # Defined on a Hopper GPU only (not skipped elsewhere: CI counts a skip as a failure).
@@ -89,3 +141,17 @@ if grouped.hopper():
     @pytest.mark.parametrize("groups", GROUPS)
     def test_mosaic_gpu_kernels_value_and_gradients_equal_the_group_loop(groups):
         _check("mosaic_gpu", *_inputs(GROUPS[groups], jnp.bfloat16), tol=5e-2)
+
+
+# Defined on a GPU only, likewise.
+if jax.default_backend() == "gpu":
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("groups", GROUPS)
+    def test_compiled_triton_kernel_equals_the_group_loop(groups):
+        _check("triton", *_inputs(GROUPS[groups], jnp.bfloat16), tol=5e-2)
+        x, w, sizes, _ = _inputs(GROUPS[groups], jnp.bfloat16)
+        values, scale = (w * 8).astype(jnp.float8_e4m3fn), jnp.full((G, N), 0.125, jnp.float32)
+        got = jax.jit(grouped.scaled_gmm)(x, values, scale, sizes)
+        want = _loop(x, values.astype(jnp.float32) * 0.125, sizes)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=5e-2, rtol=5e-2)

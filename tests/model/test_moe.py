@@ -38,8 +38,9 @@ def _routing(seed, *, unrecorded=0):
     return ids, w
 
 
-# "mosaic_gpu" runs its custom VJP with reference matmuls off a GPU (espo.model.grouped).
-IMPLS = ["capacity", "blocked", "ragged", "mosaic_gpu"]
+# "mosaic_gpu" runs its custom VJP with reference matmuls off a GPU (espo.model.grouped);
+# "triton" its kernel in Pallas' interpret mode.
+IMPLS = ["capacity", "blocked", "ragged", "mosaic_gpu", "triton"]
 
 
 def _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, **kw):
@@ -194,7 +195,11 @@ def test_auto_is_capacity_on_cpu_ragged_on_tpu_by_rows_and_kernel_on_gpu(weights
     cases = (
         ("cpu", False, (bf16, 128, 128, 8), "capacity"),
         ("tpu", False, (bf16, 128, 128, 8), "ragged"),
-        ("gpu", True, (bf16, 128, 1408, moe.DENSE_ROWS), "ragged"),  # decode rows: dense
+        ("gpu", True, (bf16, 128, 1408, moe.DENSE_ROWS), "triton"),  # decode rows
+        ("gpu", False, (jnp.float16, 128, 1408, 16), "triton"),  # any GPU
+        ("gpu", True, (jnp.float32, 128, 1408, 16), "ragged"),  # no TF32 products
+        ("gpu", True, (None, 128, 1408, 16), "ragged"),  # two operand types
+        ("gpu", True, (bf16, 128, 1400, 16), "ragged"),  # F not a multiple of 16
         ("gpu", True, (bf16, 128, 1408, 4096), "mosaic_gpu"),  # Hopper, 16-bit, widths % 64
         ("gpu", True, (jnp.float32, 128, 128, 4096), "capacity"),  # no float32 kernel
         ("gpu", True, (bf16, 128, 100, 4096), "capacity"),  # F not a multiple of 64
