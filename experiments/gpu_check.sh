@@ -2,7 +2,7 @@
 # The GPU check (issue 35): run first whenever a GPU is lent; under 5 minutes on one H100/H200.
 #
 #   bash experiments/gpu_check.sh [OUT]       (OUT: where the logs and JSON go; default /tmp/gpu)
-#   ONLY=decode,step bash experiments/gpu_check.sh     (some sections; default all but cmdbuf)
+#   ONLY=decode,step bash experiments/gpu_check.sh     (some sections; default all but moe, cmdbuf)
 #
 # On the lent machine (its own JAX with CUDA, flax, optax, chex, orbax are there) carry the
 # wheels it lacks in .whl (docs/gpu/README.md): ml_collections, grain, array_record, portpicker,
@@ -17,17 +17,19 @@
 #            read as FP8);
 #   step:    experiments/bench_train.py: make run's job (configs/default.py, no warm start), the
 #            RL step per phase;
-#   moe:     bench_moe.py --only hlo,gmm: the optimized HLO of every MoE dispatch path (is XLA's
-#            ragged_dot a grouped GEMM here, or dense over every expert?) and the grouped-matmul
-#            A/B (XLA ragged_dot, capacity, blocked, Mosaic GPU, Triton), forward at decode rows
-#            and forward + backward at update rows;
+#   tiles:   bench_moe.py --only tiles: the Triton path's forward at decode rows, bf16 and FP8
+#            experts, per tile setting (split contraction, FP8 x FP8 rows among them);
+#   moe:     (asked for by name; runs 1, 2, 5) bench_moe.py --only hlo,gmm: the optimized HLO of
+#            every MoE dispatch path (is XLA's ragged_dot a grouped GEMM here, or dense over
+#            every expert?) and the grouped-matmul A/B (XLA ragged_dot, capacity, blocked, Mosaic
+#            GPU, Triton), forward at decode rows and forward + backward at update rows;
 #   cmdbuf:  (asked for by name) decode rows with XLA's command buffers (CUDA graphs) taking the
 #            while loops too (XLA_FLAGS below; 0.78-0.93x without them on an H100, run 3).
 # Measured before (docs/gpu/README.md): FP8 matmul forms (--only fp8), 8 decode steps per check
 # (no gain on an H100), the scanned layer layout.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu}}
-ONLY=${ONLY:-machine,tests,decode,step,moe}
+ONLY=${ONLY:-machine,tests,decode,tiles,step}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -54,6 +56,10 @@ fi
 if on decode; then
   timeout 200 $PY experiments/bench_moe.py --only decode --decode "$DECODE" \
     --json "$OUT/decode.json" --cache /tmp/jax_cache 2>&1 | tee "$OUT/decode.log" | quiet
+fi
+if on tiles; then
+  timeout 60 $PY experiments/bench_moe.py --only tiles --json "$OUT/tiles.json" \
+    --cache /tmp/jax_cache 2>&1 | tee "$OUT/tiles.log" | quiet
 fi
 if on step; then
   timeout 170 $PY experiments/bench_train.py --configs default --steps 5 \

@@ -35,13 +35,17 @@ from espo import errors
 KERNELS = ("mosaic_gpu", "triton", "reference")
 DTYPES = (jnp.bfloat16, jnp.float16)  # the kernels' wgmma operand types (no float32)
 TILE = 64  # block_m and block_k of the kernels: K and N must be multiples of it
-# The Triton kernel's widest column and contraction blocks, warps per program, pipeline stages.
-# fp8_operand: the type FP8 weights (and the rows) are multiplied in: the rows' own, or float16
-# (e4m3 -> f16 is one conversion on Hopper; rows outside f16's range would overflow).
+# The Triton kernel's widest column and contraction blocks, warps per program, pipeline stages,
+# contraction parts per output block (split_k). fp8_operand: the type FP8 weights (and the rows)
+# are multiplied in: the rows' own, float16 (e4m3 -> f16 is one conversion on Hopper; rows
+# outside f16's range would overflow) or float8 (rows quantized per row: FP8 x FP8 products).
+# Read when a function is traced: a function already jitted keeps the tiles it was traced with.
 # Measured on an H100 (bench_moe.py --only tiles, D=2048, F=1408, E=16): these the fastest bf16
 # forward at 128 rows (0.21 ms against 0.22-0.30), within the spread at 16; float16 operands for
 # FP8 are faster alone (0.17 against 0.19-0.23 ms at 16 rows) and equal in the decode loop.
-TRITON_TILES = dict(block_n=128, block_k=64, num_warps=4, num_stages=4, fp8_operand="rows")
+TRITON_TILES = dict(
+    block_n=128, block_k=64, num_warps=4, num_stages=4, split_k=1, fp8_operand="rows"
+)
 
 
 def hopper() -> bool:
@@ -80,12 +84,17 @@ def triton_supported(k: int, n: int) -> bool:
     return k % 16 == 0 and n % 16 == 0
 
 
-def _gmm_kernel(sizes_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, k, transpose_rhs, operand):
-    """Program (g, j, m): rows m*bm.. of group g times columns j*bn.. of w[g], if it has them."""
+def _gmm_kernel(sizes_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, steps, splits, cfg):
+    """Program (g, j, m * splits + s): rows m*bm.. of group g times columns j*bn.. of w[g], over
+    the s-th of `splits` equal parts of the contraction, if group g has rows there."""
     from jax.experimental.pallas import triton as plgpu
 
-    *scale_ref, o_ref = refs
-    g, j, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    transpose_rhs, operand, scaled, row_scaled = cfg
+    *in_refs, o_ref = refs
+    scale_ref = in_refs.pop(0) if scaled else None
+    row_scale_ref = in_refs.pop(0) if row_scaled else None
+    g, j, ms = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    m, s = ms // splits, ms % splits
     left = sizes_ref[g] - m * bm  # rows of group g from this block on
 
     @pl.when(left > 0)
@@ -93,7 +102,7 @@ def _gmm_kernel(sizes_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, k, trans
         rows, cols = pl.ds(starts_ref[g] + m * bm, bm), pl.ds(j * bn, bn)
 
         def body(i, acc):
-            ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+            ks = pl.ds(pl.multiple_of((s * steps + i) * bk, bk), bk)
             w = w_ref[g, cols, ks] if transpose_rhs else w_ref[g, ks, cols]
             a = x_ref[rows, ks].astype(operand)
             dims = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
@@ -101,18 +110,30 @@ def _gmm_kernel(sizes_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, k, trans
                 a, w.astype(operand), dims, preferred_element_type=jnp.float32
             )
 
-        acc = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((bm, bn), jnp.float32))
-        if scale_ref:
-            acc = acc * scale_ref[0][g, cols][None, :]
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+        if scale_ref is not None:
+            acc = acc * scale_ref[g, cols][None, :]
+        if row_scale_ref is not None:
+            acc = acc * row_scale_ref[rows][:, None]
         mask = (jnp.arange(bm) < left)[:, None]
-        plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=mask)
+        plgpu.store(o_ref.at[s, rows, cols], acc.astype(o_ref.dtype), mask=mask)
+
+
+def _fp8_rows(x):
+    """x [R, K] as e4m3 values and float32 per-row scales (max |x| of the row -> 448)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
+    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+    return (x.astype(jnp.float32) / scale[:, None]).astype(jnp.float8_e4m3fn), scale
 
 
 def _triton_ragged(x, w, group_sizes, *, transpose_rhs=False, scale=None, interpret=None):
     """x [R, K] (rows sorted by group) x w[g] -> [R, N]; rows past the groups are garbage.
 
     The rows are padded by one block so every program's row block is in bounds; a program
-    stores only its own group's rows. `scale` [G, N] (float32) multiplies group g's products."""
+    stores only its own group's rows. `scale` [G, N] (float32) multiplies group g's products.
+    TRITON_TILES' split_k > 1 gives each program a part of the contraction (more programs at
+    decode's few rows), the parts summed in float32; fp8_operand "float8" quantizes FP8
+    weights' rows per row and multiplies FP8 x FP8 (the rows' scales on the product)."""
     R, K = x.shape
     N = w.shape[1] if transpose_rhs else w.shape[2]
     if not triton_supported(K, N):  # widths to multiples of 16: a padded copy of w
@@ -126,30 +147,35 @@ def _triton_ragged(x, w, group_sizes, *, transpose_rhs=False, scale=None, interp
             x, w, group_sizes, transpose_rhs=transpose_rhs, scale=scale, interpret=interpret
         )[:, :N]
     bm, bn, bk = 16, _block(N, TRITON_TILES["block_n"]), _block(K, TRITON_TILES["block_k"])
+    splits = TRITON_TILES.get("split_k", 1)
+    splits = splits if K % (bk * splits) == 0 else 1
     starts = (jnp.cumsum(group_sizes) - group_sizes).astype(jnp.int32)
-    operand = x.dtype
-    if jnp.dtype(w.dtype).itemsize == 1 and TRITON_TILES["fp8_operand"] == "float16":
+    out_dtype, operand, extra_in = x.dtype, x.dtype, []
+    if scale is not None:
+        extra_in.append(scale.astype(jnp.float32))
+    fp8 = jnp.dtype(w.dtype).itemsize == 1
+    if fp8 and TRITON_TILES["fp8_operand"] == "float16":
         operand = jnp.float16
+    elif fp8 and TRITON_TILES["fp8_operand"] == "float8":
+        x, row_scale = _fp8_rows(x)
+        operand = x.dtype
+        extra_in.append(jnp.pad(row_scale, (0, bm)))
+    cfg = (transpose_rhs, operand, scale is not None, len(extra_in) > (scale is not None))
     kernel = functools.partial(
-        _gmm_kernel, bm=bm, bn=bn, bk=bk, k=K, transpose_rhs=transpose_rhs, operand=operand
+        _gmm_kernel, bm=bm, bn=bn, bk=bk, steps=K // bk // splits, splits=splits, cfg=cfg
     )
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     extra = {} if interpret else {"compiler_params": _triton_params()}
+    part_dtype = out_dtype if splits == 1 else jnp.float32
     y = pl.pallas_call(
         kernel,
-        grid=(w.shape[0], N // bn, pl.cdiv(R, bm)),
-        out_shape=jax.ShapeDtypeStruct((R + bm, N), x.dtype),
+        grid=(w.shape[0], N // bn, pl.cdiv(R, bm) * splits),
+        out_shape=jax.ShapeDtypeStruct((splits, R + bm, N), part_dtype),
         interpret=interpret,
         **extra,
-    )(
-        group_sizes.astype(jnp.int32),
-        starts,
-        jnp.pad(x, ((0, bm), (0, 0))),
-        w,
-        *([] if scale is None else [scale.astype(jnp.float32)]),
-    )
-    return y[:R]
+    )(group_sizes.astype(jnp.int32), starts, jnp.pad(x, ((0, bm), (0, 0))), w, *extra_in)
+    return (y[0] if splits == 1 else jnp.sum(y, axis=0).astype(out_dtype))[:R]
 
 
 def _triton_params():

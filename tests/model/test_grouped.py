@@ -3,9 +3,11 @@ kernel in Pallas' interpret mode here and compiled on a GPU; the Mosaic GPU kern
 GPU only: those tests exist only there (experiments/gpu_check.sh runs this file on a lent GPU)."""
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -83,6 +85,33 @@ def test_triton_kernel_reads_fp8_values_and_scales_each_group(groups):
     assert [v.aval.dtype for v in kernel[0].invars].count(jnp.float8_e4m3fn) == 1
 
 
+@pytest.mark.parametrize("groups", ["uneven", "one group"])
+def test_triton_kernel_split_contraction_equals_the_group_loop(groups):
+    # K=64 in blocks of 16 split 4 ways: each program one block of the contraction, the four
+    # parts summed; values and gradients (dx runs the kernel too, on w transposed).
+    with mock.patch.dict(grouped.TRITON_TILES, block_k=16, split_k=4):
+        _check("triton", *_inputs(GROUPS[groups]), tol=1e-4)
+
+
+def test_triton_kernel_fp8_rows_times_fp8_weights_equal_the_quantized_loop():
+    """fp8_operand "float8": each row quantized to e4m3 by its own max |x| (-> 448), FP8 x FP8
+    products, the row's and the column's scales on the product: the loop over the dequantized
+    rows and weights (the rows quantized here with ml_dtypes, not by the kernel's code)."""
+    x, w, sizes, _ = _inputs(GROUPS["uneven"])
+    values = (w * 8).astype(jnp.float8_e4m3fn)
+    scale = jax.random.uniform(jax.random.key(7), (G, N), jnp.float32, 0.01, 0.2)
+    xn = np.asarray(x, np.float32)
+    row_scale = np.abs(xn).max(axis=1) / np.float32(448.0)
+    xq = (xn / row_scale[:, None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with mock.patch.dict(grouped.TRITON_TILES, fp8_operand="float8"):  # a fresh trace
+        got = jax.jit(lambda *a: grouped.scaled_gmm(*a))(x, values, scale, sizes)
+    want = _loop(xq * row_scale[:, None], values.astype(jnp.float32) * scale[:, None, :], sizes)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-4, rtol=1e-4)
+    # Against the unquantized rows: e4m3's rounding (3 mantissa bits), no more.
+    exact = _loop(x, values.astype(jnp.float32) * scale[:, None, :], sizes)
+    assert 0 < np.abs(np.asarray(got) - exact).max() < 0.05 * np.abs(exact).max()
+
+
 def test_triton_kernel_programs_store_only_their_own_groups_rows():
     """A row block that runs past its group (group 0's second block holds 4 of its rows and 12
     of group 2's; group 2's last block runs past every group) stores only its group's rows: on
@@ -100,14 +129,19 @@ def test_triton_kernel_lowers_for_cuda_without_a_gpu():
     widths (F=1408: column and contraction blocks that are not the widest)."""
     x = jnp.zeros((16, 2048), jnp.bfloat16)
     sizes = jnp.zeros((16,), jnp.int32)
-    for w, kw in (
-        (jnp.zeros((16, 2048, 1408), jnp.bfloat16), {}),
-        (jnp.zeros((16, 1408, 2048), jnp.bfloat16), {"transpose_rhs": True}),
-        (jnp.zeros((16, 2048, 1408), jnp.float8_e4m3fn), {"scale": jnp.ones((16, 1408))}),
+    fp8, fp8_scale = jnp.zeros((16, 2048, 1408), jnp.float8_e4m3fn), jnp.ones((16, 1408))
+    for w, kw, tiles in (
+        (jnp.zeros((16, 2048, 1408), jnp.bfloat16), {}, {}),
+        (jnp.zeros((16, 1408, 2048), jnp.bfloat16), {"transpose_rhs": True}, {}),
+        (jnp.zeros((16, 2048, 1408), jnp.bfloat16), {}, {"split_k": 4}),
+        (fp8, {"scale": fp8_scale}, {}),
+        (fp8, {"scale": fp8_scale}, {"fp8_operand": "float16"}),
+        (fp8, {"scale": fp8_scale}, {"fp8_operand": "float8", "split_k": 2}),
     ):
         fn = functools.partial(grouped._triton_ragged, interpret=False, **kw)
-        text = jax.jit(fn).trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("custom_call @__gpu$xla.gpu.triton") == 1, kw
+        with mock.patch.dict(grouped.TRITON_TILES, tiles):
+            lowered = jax.jit(fn).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("custom_call @__gpu$xla.gpu.triton") == 1, (kw, tiles)
 
 
 @pytest.mark.slow
@@ -149,9 +183,13 @@ if jax.default_backend() == "gpu":
     @pytest.mark.gpu
     @pytest.mark.parametrize("groups", GROUPS)
     def test_compiled_triton_kernel_equals_the_group_loop(groups):
-        _check("triton", *_inputs(GROUPS[groups], jnp.bfloat16), tol=5e-2)
         x, w, sizes, _ = _inputs(GROUPS[groups], jnp.bfloat16)
         values, scale = (w * 8).astype(jnp.float8_e4m3fn), jnp.full((G, N), 0.125, jnp.float32)
-        got = jax.jit(grouped.scaled_gmm)(x, values, scale, sizes)
         want = _loop(x, values.astype(jnp.float32) * 0.125, sizes)
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=5e-2, rtol=5e-2)
+        # The tiles tried by bench_moe.py --only tiles: a split contraction, FP8 x FP8 rows
+        # (whose rounding of the rows the looser tolerance takes).
+        for tiles, tol in (({}, 5e-2), ({"split_k": 2}, 5e-2), ({"fp8_operand": "float8"}, 0.3)):
+            with mock.patch.dict(grouped.TRITON_TILES, block_k=16, **tiles):
+                _check("triton", *_inputs(GROUPS[groups], jnp.bfloat16), tol=5e-2)
+                got = jax.jit(lambda *a: grouped.scaled_gmm(*a))(x, values, scale, sizes)
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
