@@ -24,8 +24,9 @@ in the same run):
           before issue 35) or unrolled over per-layer weights (`Model.decode_params` now), and
           XLA's ragged_dot against the "auto" dispatch (`DECODE_RUNS`).
   attention: decode tokens/s with attention over the whole cache buffer against the filled
-          slots only (`layers.decode_attention`, CPU), at 1024 and 4096 new tokens, B=8,
-          alternated in one process.
+          slots only (`layers.decode_attention`: XLA's block loop on CPU, on a GPU
+          `gpu_attention`'s Triton kernel), at 1024 and 4096 new tokens, B=8, alternated in one
+          process.
 On a GPU the model is bench_rollout.py's 1.2B MoE (D=2048, F=1408, 16 experts top-2, 12 layers,
 bf16); elsewhere configs/default.py's model class in float32 (--quick: the tiny one).
 `experiments/gpu_check.sh` runs this first on a lent GPU.
@@ -436,7 +437,10 @@ def attention_rows(cfg, *, lengths, batch, alternations=2):
     for n in lengths:
         for i in range(alternations):
             for arm, block in (("whole", 10**9), ("blocked", layers.DECODE_BLOCK)):
-                with mock.patch.object(layers, "DECODE_BLOCK", block):
+                with (
+                    mock.patch.object(layers, "DECODE_BLOCK", block),
+                    mock.patch.object(layers, "GPU_BLOCKED_DECODE", True),  # the Triton kernel
+                ):
                     jax.clear_caches()  # the block size is read while tracing
                     run = bench_rollout._sample_fixed_length(cfg, params, prompts, new_tokens=n)
                     seconds = bench_rollout._timed(lambda run=run: run().tokens, 1)

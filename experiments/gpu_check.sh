@@ -2,7 +2,7 @@
 # The GPU check (issue 35): run first whenever a GPU is lent; under 5 minutes on one H100/H200.
 #
 #   bash experiments/gpu_check.sh [OUT]       (OUT: where the logs and JSON go; default /tmp/gpu)
-#   ONLY=decode,step bash experiments/gpu_check.sh     (some sections; default all but moe, cmdbuf)
+#   ONLY=decode,step bash experiments/gpu_check.sh     (some sections; default all but step, moe, cmdbuf)
 #
 # On the lent machine (its own JAX with CUDA, flax, optax, chex, orbax are there) carry the
 # wheels it lacks in .whl (docs/gpu/README.md): ml_collections, grain, array_record, portpicker,
@@ -15,10 +15,13 @@
 #            tokens/s, bf16 and FP8 weights, B=8 and B=64, XLA's ragged_dot against the Triton
 #            grouped matmul (`moe.expert_ffn(impl="triton")`: only the touched experts read, FP8
 #            read as FP8);
-#   step:    experiments/bench_train.py: make run's job (configs/default.py, no warm start), the
-#            RL step per phase;
 #   tiles:   bench_moe.py --only tiles: the Triton path's forward at decode rows, bf16 and FP8
 #            experts, per tile setting (split contraction, FP8 x FP8 rows among them);
+#   attention: bench_moe.py --only attention: decode at 1024 and 4096 new tokens, attention over
+#            the whole cache buffer against the filled slots only (`gpu_attention`'s Triton
+#            kernel, layers.GPU_BLOCKED_DECODE), alternated;
+#   step:    (asked for by name; run 5: 0.331 s) experiments/bench_train.py: make run's job
+#            (configs/default.py, no warm start), the RL step per phase;
 #   moe:     (asked for by name; runs 1, 2, 5) bench_moe.py --only hlo,gmm: the optimized HLO of
 #            every MoE dispatch path (is XLA's ragged_dot a grouped GEMM here, or dense over
 #            every expert?) and the grouped-matmul A/B (XLA ragged_dot, capacity, blocked, Mosaic
@@ -29,7 +32,7 @@
 # (no gain on an H100), the scanned layer layout.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu}}
-ONLY=${ONLY:-machine,tests,decode,tiles,step}
+ONLY=${ONLY:-machine,tests,decode,tiles,attention}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -50,7 +53,8 @@ if on machine; then
 fi
 if on tests; then
   timeout 90 $PY -m pytest -q -p no:cacheprovider tests/model/test_grouped.py \
-    tests/model/test_moe.py -k "triton or mosaic or gpu or skewed" \
+    tests/model/test_moe.py tests/model/test_decode_attention.py \
+    -k "triton or mosaic or gpu or skewed" \
     2>&1 | tee "$OUT/tests.log" | tail -15
 fi
 if on decode; then
@@ -60,6 +64,10 @@ fi
 if on tiles; then
   timeout 60 $PY experiments/bench_moe.py --only tiles --json "$OUT/tiles.json" \
     --cache /tmp/jax_cache 2>&1 | tee "$OUT/tiles.log" | quiet
+fi
+if on attention; then
+  timeout 100 $PY experiments/bench_moe.py --only attention --json "$OUT/attention.json" \
+    --cache /tmp/jax_cache 2>&1 | tee "$OUT/attention.log" | quiet
 fi
 if on step; then
   timeout 170 $PY experiments/bench_train.py --configs default --steps 5 \

@@ -44,6 +44,6 @@ from espo.model.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoin
 
 __all__ += ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint"]
 
-from espo.model import grouped, moe  # noqa: E402  (already imported by transformer)
+from espo.model import gpu_attention, grouped, moe  # noqa: E402  (already imported)
 
-__all__ += ["config", "grouped", "handle", "hf", "layers", "moe", "transformer"]
+__all__ += ["config", "gpu_attention", "grouped", "handle", "hf", "layers", "moe", "transformer"]

@@ -20,6 +20,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from espo import quant
 from espo.model import config as config_lib
+from espo.model import gpu_attention
 
 # Finite mask value: a query row with no visible key (a padding query) gets a uniform, finite
 # distribution instead of NaN.
@@ -192,15 +193,19 @@ class Attention(nn.Module):
 
 
 # A decode step attends over the filled cache slots only, DECODE_BLOCK slots at a time, once the
-# cache holds at least two blocks (`blocked_decode`); on CPU only: the block loop's trip count
-# is read on the host each layer, which a GPU would wait for.
+# cache holds at least two blocks (`blocked_decode`). On CPU the block loop is XLA's; on a GPU
+# (its trip count would be read on the host each layer) it runs inside `gpu_attention`'s Triton
+# kernel, behind GPU_BLOCKED_DECODE until a GPU measures it (bench_moe.py --only attention).
 DECODE_BLOCK = 256
+GPU_BLOCKED_DECODE = False
 
 
 def blocked_decode(query_length: int, cache_length: int) -> bool:
     """Whether a forward of `query_length` tokens over a cache of `cache_length` slots takes
-    `decode_attention` (one token a row, a long cache, CPU)."""
-    return query_length == 1 and cache_length >= 2 * DECODE_BLOCK and jax.default_backend() == "cpu"
+    `decode_attention` (one token a row, a long cache; CPU, or a GPU with GPU_BLOCKED_DECODE)."""
+    backend = jax.default_backend()
+    on = backend == "cpu" or (backend == "gpu" and GPU_BLOCKED_DECODE)
+    return on and query_length == 1 and cache_length >= 2 * DECODE_BLOCK
 
 
 def decode_attention(
@@ -220,6 +225,10 @@ def decode_attention(
     with a visible key. The last block starts at S - DECODE_BLOCK when S is no multiple of it;
     the slots it shares with the block before are masked out."""
     block, (B, N, TG, Dh), S = DECODE_BLOCK, q.shape, cache_k.shape[3]
+    if jax.default_backend() == "gpu" and mask.shape[1] == 1 and gpu_attention.supported(Dh, S):
+        return gpu_attention.decode_attention(
+            q, cache_k, cache_v, mask, layer=layer, filled=filled, dtype=dtype
+        )
     T = mask.shape[1]
     G = TG // T
     batch_dims = ((0, 1), (0, 1))

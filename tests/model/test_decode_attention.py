@@ -1,5 +1,6 @@
 """Decode attention over the filled cache only (`layers.decode_attention`), block by block."""
 
+import functools
 from unittest import mock
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from espo import model, sampler, scheduling
-from espo.model import layers
+from espo.model import gpu_attention, layers
 
 
 def _softmax_attention(q, keys, values, mask):
@@ -52,6 +53,44 @@ def test_blocked_decode_is_one_token_a_row_on_a_long_cpu_cache():
         assert not layers.blocked_decode(2, 64)  # a prefill or a continuation chunk
         with mock.patch.object(jax, "default_backend", lambda: "gpu"):
             assert not layers.blocked_decode(1, 64)
+            with mock.patch.object(layers, "GPU_BLOCKED_DECODE", True):
+                assert layers.blocked_decode(1, 64) and not layers.blocked_decode(2, 64)
+
+
+@pytest.mark.parametrize(("slots", "filled", "batch"), [(200, 137, 2), (200, 200, 1), (192, 70, 3)])
+def test_gpu_kernel_over_the_filled_slots_equals_the_whole_buffer_softmax(slots, filled, batch):
+    """`gpu_attention`'s Triton kernel (interpret mode here): S = 200 slots is no multiple of
+    its 64-slot blocks (the last block starts at 136 and masks what it shares); row 0's first 70
+    slots are left padding (a whole masked block), row 1 has a hole; slots past `filled` hold
+    NaN keys; 3 query heads per kv head padded to 16; the rows split over 16-64 programs, most
+    with no block to visit, combined after."""
+    B, N, G, S, Dh = batch, 2, 3, slots, 16
+    ks = jax.random.split(jax.random.key(slots + filled), 3)
+    q = jax.random.normal(ks[0], (B, N, G, Dh))
+    cache_k, cache_v = (jax.random.normal(k, (2, B, N, S, Dh)) for k in ks[1:])
+    mask = (np.arange(S) < filled)[None].repeat(B, 0)
+    mask[0, : min(70, filled - 1)] = False
+    mask[B - 1, 5] = False
+    cache_k = cache_k.at[:, :, :, filled:].set(jnp.nan)
+    want = _softmax_attention(q, cache_k[1], cache_v[1], mask)
+    got = gpu_attention.decode_attention(
+        q, cache_k, cache_v, jnp.asarray(mask)[:, None], layer=1, filled=jnp.int32(filled),
+        dtype=jnp.float32, interpret=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_kernel_lowers_for_cuda_without_a_gpu():
+    """The kernel through Pallas' Triton lowering for CUDA (what a GPU compiles), at a decode
+    shape of the bench model (B=8, 4 kv heads, 4 query heads each, Dh=128, 4112 slots, bf16)."""
+    q = jnp.zeros((8, 4, 4, 128), jnp.bfloat16)
+    cache = jnp.zeros((2, 8, 4, 4112, 128), jnp.bfloat16)
+    fn = functools.partial(
+        gpu_attention.decode_attention, layer=1, dtype=jnp.bfloat16, interpret=False
+    )
+    lowered = jax.jit(fn).trace(q, cache, cache, jnp.ones((8, 1, 4112), bool), filled=jnp.int32(9))
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
 
 
 def _sample(block_size: int):
