@@ -4,7 +4,9 @@ Run:  make run   (= python experiments/run.py --config configs/default.py)
       python experiments/run.py --config configs/default.py:tiny --workdir /tmp/espo_tiny
       python experiments/run.py --config configs/default.py --config.loss.name=grpo
 
-`get_config(arg)` takes a variant: "" (default) or "tiny" (the smallest shapes; the tests run it).
+`get_config(arg)` takes a variant: "" (default), "tiny" (the smallest shapes; the tests run it) or
+"qwen3_shape" (the same job on a 4-layer MoE of Qwen3-30B-A3B's widths, 128 experts top-8,
+random weights, bf16: `experiments/bench_train.py --configs default:qwen3_shape` on a GPU).
 The task (`espo.data.chains`): + / - chains of 3 to 6 one-digit terms (heavy-tailed lengths),
 worked one reduction a line. The supervised warm start (`sft`) learns from a teacher with one
 systematic flaw (it drops the minus sign of a negative answer with probability
@@ -83,9 +85,9 @@ def stage(name, *, max_difficulty, steps, group_size=8, max_new_tokens=8, **kw):
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     variant = arg or "default"
-    if variant not in ("default", "tiny"):
+    if variant not in ("default", "tiny", "qwen3_shape"):
         raise ValueError(
-            f"configs/default.py: variant {variant!r} is invalid; valid: default, tiny"
+            f"configs/default.py: variant {variant!r} is invalid; valid: default, tiny, qwen3_shape"
         )
     c = ml_collections.ConfigDict()
     c.seed = 0  # PRNG seed of init, data order, sampling and evaluation
@@ -297,6 +299,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.distributed.num_processes = 1  # processes in the run
     c.distributed.process_id = 0  # this process's index
 
+    if variant == "qwen3_shape":  # Qwen3-30B-A3B's config.json widths, 4 of its 48 layers
+        c.model.update(d_model=2048, num_layers=4, num_heads=32, num_kv_heads=4, head_dim=128)
+        c.model.update(num_experts=128, top_k=8, moe_ffn_dim=768, rope_theta=1e6)
+        c.model.update(param_dtype="bfloat16", dtype="bfloat16")
     if variant == "tiny":
         c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
         c.model.update(num_experts=4, top_k=2, moe_ffn_dim=32)

@@ -3,12 +3,16 @@ section, and a value differs from the library's default (the section's dataclass
 DEVIATIONS says why."""
 
 import dataclasses
+import math
 import pathlib
 
+import jax
+
 from espo import config as config_lib
-from espo import testing
+from espo import model, testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+_NOT_MODEL = {"hf_path", "init_from"}  # model section fields that are not ModelConfig's
 
 
 def _defaults(cls) -> dict:
@@ -47,3 +51,18 @@ def test_every_section_field_is_in_the_default_config():
         )  # set from another section: the model's vocabulary, zve.mode and zve.atol, a stage
         missing = names - set(config[section]) - injected - {"seed"}
         assert not missing, f"{section}: {sorted(missing)}"
+
+
+def test_qwen3_shape_variant_has_qwen3_30b_a3b_layers():
+    """The GPU bench variant: a model whose layer has Qwen3-30B-A3B's parameters (its
+    config.json: D=2048, 32 query / 4 kv heads of 128, 128 experts of width 768, top-8; q/k
+    norms), counted by hand against the initialised shapes."""
+    config = testing.load_script(ROOT / "configs" / "default.py").get_config("qwen3_shape")
+    cfg = model.ModelConfig(**{k: v for k, v in config.model.items() if k not in _NOT_MODEL})
+    shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0)))
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    D, V = 2048, config.model.vocab_size
+    attention = D * 128 * (32 + 4 + 4) + 32 * 128 * D + 2 * 128  # q, k, v, o; q/k norms
+    layer = attention + 128 * 3 * D * 768 + D * 128 + 2 * D  # experts, router, two norms
+    assert total == 4 * layer + 2 * V * D + D  # embeddings (untied), final norm
+    assert (cfg.top_k, cfg.param_dtype, cfg.dtype) == (8, "bfloat16", "bfloat16")
