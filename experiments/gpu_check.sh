@@ -21,7 +21,8 @@
 #            the whole cache buffer against the filled slots only (`gpu_attention`'s Triton
 #            kernel, layers.GPU_BLOCKED_DECODE), alternated;
 #   step:    (asked for by name; run 5: 0.331 s) experiments/bench_train.py: make run's job
-#            (configs/default.py, no warm start), the RL step per phase;
+#            (configs/default.py, no warm start) and the same on a Qwen3-30B-A3B-shaped MoE
+#            (default:qwen3_shape), the RL step per phase;
 #   moe:     (asked for by name; runs 1, 2, 5) bench_moe.py --only hlo,gmm: the optimized HLO of
 #            every MoE dispatch path (is XLA's ragged_dot a grouped GEMM here, or dense over
 #            every expert?) and the grouped-matmul A/B (XLA ragged_dot, capacity, blocked, Mosaic
@@ -70,7 +71,7 @@ if on attention; then
     --cache /tmp/jax_cache 2>&1 | tee "$OUT/attention.log" | quiet
 fi
 if on step; then
-  timeout 170 $PY experiments/bench_train.py --configs default --steps 5 \
+  timeout 300 $PY experiments/bench_train.py --configs default,default:qwen3_shape --steps 5 \
     2>&1 | tee -a "$OUT/step.log" | quiet | tail -4
 fi
 if on moe; then
