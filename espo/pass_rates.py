@@ -68,7 +68,7 @@ def estimate(
         )  # fmt: skip
     tok = tokenizer_lib.load_tokenizer(s.hf_path)
     key = jax.random.key(s.seed)
-    model_cfg, params = trainer._model(s, jax.random.fold_in(key, 0))
+    model_cfg, params = trainer.initial_model(s, jax.random.fold_in(key, 0))
     tokenizer_lib.check_vocab(tok, model_cfg.vocab_size)
     train_src = sources.make_sources(s.data)[0]
     fits = lambda e: len(tok.encode_prompt(e.prompt)) <= s.max_prompt_length

@@ -63,7 +63,9 @@ HOST_FORMAT = "espo.trainer.v2"  # v2: + the resample buffer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def _model(s: config_lib.Settings, key) -> tuple[model_lib.ModelConfig, dict]:
+def initial_model(s: config_lib.Settings, key) -> tuple[model_lib.ModelConfig, dict]:
+    """The model a run of settings `s` starts from: a Hugging Face checkpoint (`model.hf_path`),
+    an espo run's newest params (`model.init_from`), or a random init from `key`."""
     if s.hf_path:
         return model_lib.load_hf_checkpoint(s.hf_path)
     if s.init_from:
@@ -270,7 +272,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
 
     # ---- model and tokenizer ------------------------------------------------------------------
     tok = tokenizer_lib.load_tokenizer(s.hf_path)
-    model_cfg, params = _model(s, jax.random.fold_in(root, 0))
+    model_cfg, params = initial_model(s, jax.random.fold_in(root, 0))
     tokenizer_lib.check_vocab(tok, model_cfg.vocab_size)
     loss_cfg = s.loss_config(model_cfg.vocab_size)
     handle = model_lib.Model(model_cfg)
