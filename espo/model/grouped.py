@@ -43,6 +43,7 @@ TILE = 64  # block_m and block_k of the kernels: K and N must be multiples of it
 # Measured on an H100 (bench_moe.py --only tiles, D=2048, F=1408, E=16): these the fastest bf16
 # forward at 128 rows (0.21 ms against 0.22-0.30), within the spread at 16; float16 operands for
 # FP8 are faster alone (0.17 against 0.19-0.23 ms at 16 rows) and equal in the decode loop.
+FP8_OPERANDS = ("rows", "float16", "float8")
 TRITON_TILES = dict(
     block_n=128, block_k=64, num_warps=4, num_stages=4, split_k=1, fp8_operand="rows"
 )
@@ -153,14 +154,17 @@ def _triton_ragged(x, w, group_sizes, *, transpose_rhs=False, scale=None, interp
     out_dtype, operand, extra_in = x.dtype, x.dtype, []
     if scale is not None:
         extra_in.append(scale.astype(jnp.float32))
-    fp8 = jnp.dtype(w.dtype).itemsize == 1
-    if fp8 and TRITON_TILES["fp8_operand"] == "float16":
+    form = TRITON_TILES["fp8_operand"]
+    if form not in FP8_OPERANDS:
+        raise errors.InvalidValue("TRITON_TILES", "fp8_operand", form, f"one of {FP8_OPERANDS}")
+    row_scaled = jnp.dtype(w.dtype).itemsize == 1 and form == "float8"
+    if jnp.dtype(w.dtype).itemsize == 1 and form == "float16":
         operand = jnp.float16
-    elif fp8 and TRITON_TILES["fp8_operand"] == "float8":
+    if row_scaled:
         x, row_scale = _fp8_rows(x)
         operand = x.dtype
         extra_in.append(jnp.pad(row_scale, (0, bm)))
-    cfg = (transpose_rhs, operand, scale is not None, len(extra_in) > (scale is not None))
+    cfg = (transpose_rhs, operand, scale is not None, row_scaled)
     kernel = functools.partial(
         _gmm_kernel, bm=bm, bn=bn, bk=bk, steps=K // bk // splits, splits=splits, cfg=cfg
     )

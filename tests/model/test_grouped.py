@@ -112,6 +112,12 @@ def test_triton_kernel_fp8_rows_times_fp8_weights_equal_the_quantized_loop():
     assert 0 < np.abs(np.asarray(got) - exact).max() < 0.05 * np.abs(exact).max()
 
 
+def test_triton_kernel_refuses_an_unknown_fp8_operand():
+    x, w, sizes, _ = _inputs(GROUPS["uneven"])
+    with mock.patch.dict(grouped.TRITON_TILES, fp8_operand="int8"), raises_invalid("fp8_operand"):
+        grouped.scaled_gmm(x, w.astype(jnp.float8_e4m3fn), jnp.ones((G, N)), sizes)
+
+
 def test_triton_kernel_programs_store_only_their_own_groups_rows():
     """A row block that runs past its group (group 0's second block holds 4 of its rows and 12
     of group 2's; group 2's last block runs past every group) stores only its group's rows: on
