@@ -68,8 +68,12 @@ class Model:
         step on CPU, and on a GPU runs the layers as a nested loop: on an H100 (bench_moe.py,
         the 1.2B bench MoE, bf16, B=8) per-layer weights take 429 kernels a decode step against
         783 and give 1.94-2.05x the tokens/s (two runs, docs/gpu). `forward` takes either
-        layout. The sampler calls it per chunk."""
-        return transformer.unstack_layers(self.cfg, params)
+        layout. Each layer's q/k/v weights become one (`layers.fuse_qkv`). The sampler calls
+        it per chunk."""
+        out = transformer.unstack_layers(self.cfg, params)
+        for name in transformer.layer_names(self.cfg):
+            out[name] = {**out[name], "attn": layers.fuse_qkv(out[name]["attn"])}
+        return out
 
     def init_cache(self, *, batch: int, max_length: int) -> layers.KVCache:
         """An empty KV cache for `batch` rows of at most `max_length` tokens."""

@@ -82,6 +82,11 @@ def unstack_layers(cfg: config_lib.ModelConfig, params: dict) -> dict:
     return out
 
 
+def layer_names(cfg: config_lib.ModelConfig) -> list[str]:
+    """The per-layer subtree names of `unstack_layers`' output, in order."""
+    return [layer_name(r, i) for r, (_, _, n) in enumerate(cfg.layer_runs()) for i in range(n)]
+
+
 def stack_layers(cfg: config_lib.ModelConfig, params: dict) -> dict:
     """The inverse of `unstack_layers`: per-layer subtrees back into stacked [L, ...] runs."""
     out = {k: v for k, v in params.items() if not k.startswith("blocks_")}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo import model, types
+from espo import model, quant, types
 from espo.model import ModelConfig, RoutingMode
 
 CFG = ModelConfig.tiny(num_layers=3, dense_layers=(1,), dense_ffn_dim=48, norm_topk_prob=False)
@@ -173,3 +173,43 @@ def test_per_layer_params_run_the_same_model(tokens, dense_layers):
     got_replay = fwd(per_layer, tokens[:, :11], **replay)
     for g, w in ((got, want), (got_step, want_step), (got_replay, want_replay)):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6), g, w)
+
+
+def test_decode_params_fuse_each_layers_qkv_and_run_the_same_model(params, tokens):
+    """`Model.decode_params`: q/k/v as one [D, H + 2N, Dh] weight per layer (one matmul a
+    decode step), the forward unchanged (prefill and a cached step); FP8 weights fuse their
+    values and scales, per-block ones only where every width is whole blocks."""
+    m = model.Model(CFG)
+    fused = m.decode_params(params)
+    attn = fused["blocks_0_layer_0"]["attn"]
+    assert {"q_proj", "k_proj", "v_proj"}.isdisjoint(attn)
+    want_w = [params["blocks_0"]["attn"][n][0] for n in ("q_proj", "k_proj", "v_proj")]
+    np.testing.assert_array_equal(attn["qkv_proj"], np.concatenate(want_w, axis=1))
+    cache = model.init_cache(CFG, batch=2, max_length=16)
+    want = forward(params, tokens[:, :11], cache=cache)
+    got = forward(fused, tokens[:, :11], cache=cache)
+    for g, w in (
+        (got, want),
+        (
+            forward(fused, tokens[:, 11:], cache=got.cache),
+            forward(params, tokens[:, 11:], cache=want.cache),
+        ),
+    ):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), g, w)
+    D, H, N, Dh = CFG.d_model, CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+    for granularity, block, fuses in (
+        ("channel", 0, True),
+        ("block", 16, True),
+        ("block", 24, False),
+    ):
+        q = quant.quantize_fp8(params, granularity=granularity, block_size=block or 128)
+        attn = m.decode_params(q)["blocks_0_layer_0"]["attn"]
+        assert ("qkv_proj" in attn) == fuses, (granularity, block)
+        if fuses:
+            layer = [q["blocks_0"]["attn"][n] for n in ("q_proj", "k_proj", "v_proj")]
+            layer = [jax.tree.map(lambda a: a[0], w) for w in layer]  # layer 0 of the run
+            np.testing.assert_array_equal(
+                attn["qkv_proj"].astype(jnp.float32),
+                np.concatenate([w.astype(jnp.float32) for w in layer], axis=1),
+            )
+            assert attn["qkv_proj"].values.shape == (D, H + 2 * N, Dh)
