@@ -172,8 +172,8 @@ class Attention(nn.Module):
         cfg = self.cfg
         D, H, N, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pd, dt = cfg.jnp_param_dtype, cfg.jnp_dtype
-        wo = self.param("o_proj", _dense_init(H * Dh), (H, Dh, D), pd)
         # quant.project: jnp.einsum(eq, x, w.astype(dt)), an FP8 weight's scales after the dot.
+        # The params are made in this order (q, k, v, o): init draws each from the next key.
         if self.has_variable("params", "qkv_proj"):  # decode params (`fuse_qkv`): one matmul
             qkv = self.param("qkv_proj", _dense_init(D), (D, H + 2 * N, Dh), pd)
             qkv = quant.project("btd,dhk->bthk", x, qkv, dt)  # [B, T, H + 2N, Dh]
@@ -185,6 +185,7 @@ class Attention(nn.Module):
             q = quant.project("btd,dhk->bthk", x, wq, dt)  # [B, T, H, Dh]
             k = quant.project("btd,dnk->btnk", x, wk, dt)  # [B, T, N, Dh]
             v = quant.project("btd,dnk->btnk", x, wv, dt)  # [B, T, N, Dh]
+        wo = self.param("o_proj", _dense_init(H * Dh), (H, Dh, D), pd)
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_eps, pd, name="q_norm")(q)
             k = RMSNorm(cfg.rms_eps, pd, name="k_norm")(k)
