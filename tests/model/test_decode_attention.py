@@ -57,6 +57,7 @@ def test_blocked_decode_is_one_token_a_row_on_a_long_cpu_cache():
                 assert layers.blocked_decode(1, 64) and not layers.blocked_decode(2, 64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("slots", "filled", "batch"), [(200, 137, 2), (200, 200, 1), (192, 70, 3)])
 def test_gpu_kernel_over_the_filled_slots_equals_the_whole_buffer_softmax(slots, filled, batch):
     """`gpu_attention`'s Triton kernel (interpret mode here): S = 200 slots is no multiple of

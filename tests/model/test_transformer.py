@@ -175,6 +175,7 @@ def test_per_layer_params_run_the_same_model(tokens, dense_layers):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6), g, w)
 
 
+@pytest.mark.slow
 def test_decode_params_fuse_each_layers_qkv_and_run_the_same_model(params, tokens):
     """`Model.decode_params`: q/k/v as one [D, H + 2N, Dh] weight per layer (one matmul a
     decode step), the forward unchanged (prefill and a cached step); FP8 weights fuse their
