@@ -147,6 +147,11 @@ def _swiglu_rows(h_gate, h_up):
     return jax.nn.silu(h_gate) * h_up
 
 
+def _swiglu_with(matmul, xs, w_gate, w_up, w_down):
+    """SwiGLU experts over rows with `matmul(x, w)` one of the paths' grouped matmuls."""
+    return matmul(_swiglu_rows(matmul(xs, w_gate), matmul(xs, w_up)), w_down)  # [R, D]
+
+
 def _ffn(xs, w_gate, w_up, w_down):
     """One expert's SwiGLU on rows: [..., D] with [D, F], [D, F], [F, D] -> [..., D]."""
     return _swiglu_rows(xs @ w_gate, xs @ w_up) @ w_down
@@ -179,10 +184,8 @@ def expert_ffn(
             w.dense() if s else w for w, s in zip((w_gate, w_up, w_down), scaled, strict=True)
         )
     if impl == "ragged":
-        h = _swiglu_rows(
-            jax.lax.ragged_dot(xs, w_gate, group_sizes), jax.lax.ragged_dot(xs, w_up, group_sizes)
-        )  # [R, F]
-        return jax.lax.ragged_dot(h, w_down, group_sizes)  # [R, D]
+        ragged = lambda x, w: jax.lax.ragged_dot(x, w, group_sizes)  # noqa: E731
+        return _swiglu_with(ragged, xs, w_gate, w_up, w_down)
     if impl == "capacity":
         R, E = xs.shape[0], w_gate.shape[0]
         C = capacity_for(R, E) if capacity is None else capacity
@@ -207,8 +210,7 @@ def _scaled_ragged_ffn(xs, group_sizes, w_gate, w_up, w_down):
         y = jax.lax.ragged_dot(x, w.operand(), group_sizes, preferred_element_type=jnp.float32)
         return (y * w.scale[row_expert]).astype(xs.dtype)
 
-    h = _swiglu_rows(matmul(xs, w_gate), matmul(xs, w_up))  # [R, F]
-    return matmul(h, w_down)  # [R, D]
+    return _swiglu_with(matmul, xs, w_gate, w_up, w_down)
 
 
 def _triton_ffn(xs, group_sizes, w_gate, w_up, w_down):
@@ -220,7 +222,7 @@ def _triton_ffn(xs, group_sizes, w_gate, w_up, w_down):
             return grouped.scaled_gmm(x, w.values, w.scale, group_sizes)
         return grouped.gmm(x, w, group_sizes, "triton")
 
-    return matmul(_swiglu_rows(matmul(xs, w_gate), matmul(xs, w_up)), w_down)
+    return _swiglu_with(matmul, xs, w_gate, w_up, w_down)
 
 
 def capacity_for(rows: int, experts: int) -> int:
