@@ -8,8 +8,9 @@ system exists for (issue 33's protocol, `long_completions`): long, heavy-tailed 
 p90 216, p99 270, max 306, in a 384-token budget)
 and a reward with the latency of executing code (`espo.data.chains.executed_reward`: the
 verifier's value, the answer computed by a fresh Python interpreter per sample, tens of ms).
-The warm start learns the long chains (its own, in OUT/warm_start). The parts are switched on
-cumulatively:
+The warm start learns the long chains (its own, in OUT/warm_start). A step's 128 rows decode in
+chunks of 32 (an engine's batch slots), so scheduling and reward overlap have chunks to act
+on. The parts are switched on cumulatively:
   baseline        FIFO scheduling, serial detokenisation on the host, rewards scored after the
                   whole rollout decoded, no FP8 (rollout.schedule=fifo, rollout.detokenize=host,
                   rollout.overlap_rewards=False, rollout.fp8=False);
@@ -17,8 +18,9 @@ cumulatively:
   + reward overlap            samples are scored while later chunks decode;
   + FP8 rollout               e4m3 weights in the sampler (rollout.fp8=True);
   + length-aware scheduling   chunks by predicted length (rollout.schedule=length_aware).
-Per arm and seed, the median over the steps after the first two (compilation) of: the step time
-without eval and checkpoint, the rollout phase and inside it decoding (generate), the host's
+Per arm and seed, the median over the steps after the first two and before the last, leaving out
+any that compiled (a new length bucket's shapes), of: the step time without eval and
+checkpoint, the rollout phase and inside it decoding (generate), the host's
 hand-off work and the wait for rewards after decoding, old log-probs and the update; generated
 tokens per second of rollout, the padded decode slots (`rollout/padding_waste`) and the
 rollout's idle fraction (the share of the rollout phase spent on hand-offs and waiting for
@@ -60,8 +62,15 @@ NAME = "default"  # configs/default.py, make run's task
 EXECUTED = {"reward.function": "espo.data.chains:executed_reward"}
 COMMON = {  # a short run: timings, no evaluation in between, no checkpoint in between
     "quick": {**EXECUTED, "train.steps": 3, "eval.every_steps": 0},
-    "default": {**EXECUTED, "train.steps": 10, "eval.every_steps": 0,
-                "checkpoint.every_steps": 1000},
+    "default": {**EXECUTED, "train.steps": 12, "eval.every_steps": 0,
+                "checkpoint.every_steps": 1000,
+                # an engine's batch slots: a step's 128 rows in 4 chunks, so that scheduling
+                # has chunks to form and rewards have later chunks to overlap (one chunk of
+                # 128, the default, leaves both nothing to act on)
+                "rollout.max_chunk_size": 32,
+                # the start's and the end's evaluation say the run is sane; the table times
+                # the steps between them (1024 long greedy completions cost ~3 min here)
+                "eval.num_prompts": 128, "eval.sampled_prompts": 16},
 }  # fmt: skip
 
 
@@ -82,6 +91,16 @@ def long_completions(preset: str) -> dict:
 WARMUP_STEPS = 2  # left out of the medians: compilation
 
 
+def _timed(records: list[dict]) -> list[dict]:
+    """The steps a median is taken over: after the first WARMUP_STEPS, not the last (it also
+    evaluates), and none that compiled (`perf/compiles` > 0: a new length bucket's shapes);
+    all but the last after the warm-up when every step compiled."""
+    steps = [r for r in records if r.get("step", 0) > WARMUP_STEPS]
+    steps = steps[:-1] if len(steps) > 1 else steps
+    clean = [r for r in steps if not r.get("perf/compiles")]
+    return clean or steps
+
+
 def arms() -> dict[str, repro_lib.Arm]:
     out, overrides = {}, dict(_BASE)
     for name, label, change in _STEPS:
@@ -91,8 +110,7 @@ def arms() -> dict[str, repro_lib.Arm]:
 
 
 def _median(records: list[dict], key: str) -> float:
-    values = [r[key] for r in records[1 + WARMUP_STEPS :] if r.get(key) is not None]
-    values = values[:-1] if len(values) > 1 else values  # the last step also evaluates
+    values = [r[key] for r in _timed(records) if r.get(key) is not None]
     return float(np.median(values)) if values else float("nan")
 
 
@@ -148,7 +166,8 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
     )  # fmt: skip
     notes = (
         f"Per seed, medians over steps {WARMUP_STEPS + 1} to the last but one (the first steps "
-        "compile, the last one evaluates); 'step s' leaves out eval and checkpoint time; the "
+        "compile, the last one evaluates), leaving out any step that compiled (a new length "
+        "bucket); 'step s' leaves out eval and checkpoint time; the "
         "speed-up is the baseline's step time over the arm's on the same seed. "
         "rollout/generate_s is the decode loop with the hand-offs inside it; reward wait is "
         "the time spent waiting for rewards after the last chunk decoded; the idle fraction is "
