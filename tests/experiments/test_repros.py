@@ -388,3 +388,18 @@ def test_inversion_helpers_by_hand():
     r, m, lab = repro._both_orders(rows, rows > 0, np.array([0, 1]))
     np.testing.assert_array_equal(r[2:], rows[:, ::-1])
     np.testing.assert_array_equal(lab, [0, 1, 2, 1])
+
+
+def test_system_medians_leave_out_steps_that_compiled():
+    """The system table's medians: after the warm-up, not the last step (it evaluates), and no
+    step that compiled; every such step compiled -> all of them rather than none."""
+    repro = _load("repro_system")
+    compiled = {1, 3, 6}
+    recs = [{"step": 0}] + [
+        {"step": s, "perf/compiles": 4.0 if s in compiled else 0.0, "x": float(s)}
+        for s in range(1, 9)
+    ]
+    assert [r["step"] for r in repro._timed(recs)] == [4, 5, 7]
+    assert repro._median(recs, "x") == 5.0
+    every = [{"step": s, "perf/compiles": 1.0} for s in range(1, 6)]
+    assert [r["step"] for r in repro._timed(every)] == [3, 4]
