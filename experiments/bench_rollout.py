@@ -2,7 +2,8 @@
 
   python experiments/bench_rollout.py [--batch 64] [--new_tokens 128] [--quick]
       [--only throughput,moe,fp8read,scaling,update,fp8,waste,detok,overlap]
-      [--peers transformers,vllm] [--vllm_python .venv-vllm/bin/python]
+      [--peers transformers,vllm] [--vllm_python .venv-vllm/bin/python] [--sizes E16,E8,...]
+      [--rounds R]   # moe: only these sizes; the engines alternate R times, medians kept
 
   # issue 14's table: MoE sizes vs peers, roofline, FP8 read check, update, B/length scaling
   python experiments/bench_rollout.py --only moe,fp8read,update,scaling --new_tokens 64
@@ -463,34 +464,48 @@ def read_bandwidth_gbs(*, gib=1.0, repeats=5):
     return x.nbytes / _timed(lambda: total(x), repeats) / 1e9
 
 
-def moe_sizes(*, peers, vllm_python, batch, prompt_len, new_tokens):
-    """Per size, back to back: espo (capacity f32, blocked f32, bf16) and the peers."""
-    table = {}
+def moe_sizes(*, peers, vllm_python, batch, prompt_len, new_tokens, sizes=None, rounds=1):
+    """Per size (`sizes`: MOE_SIZES names, default all), back to back: espo (capacity f32,
+    blocked f32, bf16) and the peers; with rounds > 1 the engines alternate that many times and
+    each keeps its median run: (table, per size the espo f32 / best vLLM ratio of each round)."""
+    table, ratios = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in MOE_SIZES:
+        for name in sizes or MOE_SIZES:
             run = functools.partial(
                 run_engine, path=_size_checkpoint(tmp, name), batch=batch,
                 prompt_len=prompt_len, new_tokens=new_tokens, vllm_python=vllm_python,
             )  # fmt: skip
-            row = {"espo f32": run("espo", dtype="float32")}
-            row["espo f32 before (blocked, scanned layers)"] = run(
-                "espo", dtype="float32", impl="blocked+stacked"
-            )
-            row["espo bf16"] = run("espo", dtype="bfloat16")
+            engines = {"espo f32": lambda run=run: run("espo", dtype="float32"),
+                       "espo f32 before (blocked, scanned layers)":
+                           lambda run=run: run("espo", dtype="float32", impl="blocked+stacked"),
+                       "espo bf16": lambda run=run: run("espo", dtype="bfloat16")}  # fmt: skip
             if "transformers" in peers:
-                row["transformers f32"] = run("transformers", dtype="float32")
+                engines["transformers f32"] = lambda run=run: run("transformers", dtype="float32")
             if "vllm" in peers:
-                row["vLLM f32"] = run("vllm", dtype="float32")
-                row["vLLM bf16"] = run("vllm", dtype="bfloat16")
-            table[name] = row
-    return table
+                engines["vLLM f32"] = lambda run=run: run("vllm", dtype="float32")
+                engines["vLLM bf16"] = lambda run=run: run("vllm", dtype="bfloat16")
+            runs = {key: [] for key in engines}
+            for _ in range(rounds):
+                for key, engine in engines.items():
+                    runs[key].append(engine())
+                vllm = [_tps(runs[k][-1]) for k in ("vLLM f32", "vLLM bf16") if k in runs]
+                if vllm:
+                    ratios.setdefault(name, []).append(_tps(runs["espo f32"][-1]) / max(vllm))
+            table[name] = {key: _median_run(results) for key, results in runs.items()}
+    return table, ratios
+
+
+def _median_run(results):
+    """The run of median tokens/s among `results` (failed runs, None, left out; none: None)."""
+    done = sorted((r for r in results if r), key=_tps)
+    return done[(len(done) - 1) // 2] if done else None
 
 
 def _tps(result):
     return float("nan") if result is None else result["tokens_per_s"]
 
 
-def moe_size_rows(table, *, bandwidth):
+def moe_size_rows(table, ratios, *, bandwidth):
     rows = []
     for name, r in table.items():
         espo = _tps(r["espo f32"])
@@ -499,17 +514,18 @@ def moe_size_rows(table, *, bandwidth):
             rows.append((f"{name}: {key} tokens/s", f"{_tps(result):,.0f}", ratio))
         vllm = [_tps(r[k]) for k in ("vLLM f32", "vLLM bf16") if r.get(k)]
         if vllm:
+            per_round = ", ".join(f"{x:.2f}" for x in ratios.get(name, ()))
             rows.append((f"{name}: espo f32 / vLLM (its better dtype)",
-                         f"{espo / max(vllm):.2f}x", ""))  # fmt: skip
+                         f"{espo / max(vllm):.2f}x", f"per round {per_round}"))  # fmt: skip
         if r["espo f32"]:
             e = r["espo f32"]
             gbs = e["step_bytes"] * e["steps_per_s"] / 1e9
             rows.append((f"{name}: f32 decode step reads (touched experts/layer "
                          f"{e['touched_experts']:.1f})", f"{e['step_bytes'] / 1e6:.1f} MB",
                          f"{gbs:.1f} GB/s = {gbs / bandwidth:.0%} of measured"))  # fmt: skip
-    first, last = list(table)[1], list(table)[-1]  # E=8 and E=128 at d256
+    first, last = list(MOE_SIZES)[1], list(MOE_SIZES)[-1]  # E=8 and E=128 at d256
     for key in ("espo f32", "vLLM f32", "vLLM bf16", "transformers f32"):
-        if table[first].get(key) and table[last].get(key):
+        if table.get(first, {}).get(key) and table.get(last, {}).get(key):
             slow = _tps(table[first][key]) / _tps(table[last][key])
             rows.append((f"slowdown E=8 -> E=128 (fixed active params), {key}", f"{slow:.2f}x", ""))
     return rows
@@ -637,6 +653,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="smaller workloads (for tests)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections among {SECTIONS}")
     ap.add_argument("--peers", default=",".join(PEERS), help=f"moe section peers among {PEERS}")
+    ap.add_argument("--sizes", default="", help="moe section: sizes by expert count (E16,E8,...)")
+    ap.add_argument("--rounds", type=int, default=1, help="moe section: engines alternate R times")
     ap.add_argument(
         "--vllm_python",
         default=os.environ.get("ESPO_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
@@ -663,6 +681,10 @@ def main():
     if "vllm" in peers and not pathlib.Path(args.vllm_python).exists():
         print(f"vLLM peer: ABSENT, no interpreter at {args.vllm_python} (see vllm_peer.py)")
         peers.discard("vllm")
+    by_experts = {name.split()[2]: name for name in MOE_SIZES}  # "E16" -> its name
+    if not set(args.sizes.split(",")) - {""} <= set(by_experts):
+        ap.error(f"--sizes={args.sizes!r}: sizes must be among {','.join(by_experts)}")
+    sizes = [by_experts[e] for e in args.sizes.split(",") if e]
     B, T = (8, 16) if args.quick else (args.batch, args.new_tokens)
     rows = []
     if only & {"moe", "fp8read"}:
@@ -670,11 +692,14 @@ def main():
         rows.append(("memory read bandwidth (jitted 1 GiB f32 reduction)",
                      f"{bandwidth:.1f} GB/s", ""))  # fmt: skip
     if "moe" in only:
-        table = moe_sizes(
+        table, ratios = moe_sizes(
             peers=peers, vllm_python=args.vllm_python, batch=B, prompt_len=args.prompt_len,
-            new_tokens=T,
+            new_tokens=T, sizes=sizes, rounds=args.rounds,
         )  # fmt: skip
-        rows += moe_size_rows(table, bandwidth=bandwidth)
+        rows += moe_size_rows(table, ratios, bandwidth=bandwidth)
+        if "vllm" in peers:  # vLLM keeps one of this box's cores for its scheduler unless 0
+            reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "unset (vLLM's default)")
+            rows.append(("vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU", reserved, ""))
     if "fp8read" in only:
         for name, r in fp8_read_check().items():
             rows.append((f"E=128 decode expert matmul [128,4,256]x[128,256,128], {name} weights",

@@ -112,3 +112,10 @@ def test_fp8_read_check_names_the_dot_operand_dtype(bench):
     out = bench.fp8_read_check(experts=4, d=8, f=8, capacity=2)
     assert set(out) == {"f32", "bf16", "fp8 -> f32"}
     assert all(r["ms"] > 0 and r["reads_e4m3"] in (True, False) for r in out.values())
+
+
+def test_moe_rounds_keep_each_engines_median_run(bench):
+    runs = [{"tokens_per_s": 5.0}, None, {"tokens_per_s": 3.0}, {"tokens_per_s": 9.0}]
+    assert bench._median_run(runs) == {"tokens_per_s": 5.0}
+    assert bench._median_run(runs[:3]) == {"tokens_per_s": 3.0}  # the lower of two
+    assert bench._median_run([None]) is None
