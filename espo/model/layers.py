@@ -23,8 +23,8 @@ from espo.model import config as config_lib
 from espo.model import gpu_attention
 
 # Finite mask value: a query row with no visible key (a padding query) gets a uniform, finite
-# distribution instead of NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# distribution instead of NaN. The GPU decode kernel masks with the same value.
+_MASK_VALUE = gpu_attention.MASK_VALUE
 
 
 @flax.struct.dataclass
