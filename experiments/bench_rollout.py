@@ -475,22 +475,22 @@ def moe_sizes(*, peers, vllm_python, batch, prompt_len, new_tokens, sizes=None, 
                 run_engine, path=_size_checkpoint(tmp, name), batch=batch,
                 prompt_len=prompt_len, new_tokens=new_tokens, vllm_python=vllm_python,
             )  # fmt: skip
-            engines = {"espo f32": lambda run=run: run("espo", dtype="float32"),
+            engines = {"espo f32": dict(engine="espo", dtype="float32"),
                        "espo f32 before (blocked, scanned layers)":
-                           lambda run=run: run("espo", dtype="float32", impl="blocked+stacked"),
-                       "espo bf16": lambda run=run: run("espo", dtype="bfloat16")}  # fmt: skip
+                           dict(engine="espo", dtype="float32", impl="blocked+stacked"),
+                       "espo bf16": dict(engine="espo", dtype="bfloat16")}  # fmt: skip
             if "transformers" in peers:
-                engines["transformers f32"] = lambda run=run: run("transformers", dtype="float32")
+                engines["transformers f32"] = dict(engine="transformers", dtype="float32")
             if "vllm" in peers:
-                engines["vLLM f32"] = lambda run=run: run("vllm", dtype="float32")
-                engines["vLLM bf16"] = lambda run=run: run("vllm", dtype="bfloat16")
+                engines["vLLM f32"] = dict(engine="vllm", dtype="float32")
+                engines["vLLM bf16"] = dict(engine="vllm", dtype="bfloat16")
             runs = {key: [] for key in engines}
             for _ in range(rounds):
-                for key, engine in engines.items():
-                    runs[key].append(engine())
-                vllm = [_tps(runs[k][-1]) for k in ("vLLM f32", "vLLM bf16") if k in runs]
-                if vllm:
-                    ratios.setdefault(name, []).append(_tps(runs["espo f32"][-1]) / max(vllm))
+                for key, spec in engines.items():
+                    runs[key].append(run(**spec))
+                ratio = _espo_over_vllm({key: results[-1] for key, results in runs.items()})
+                if ratio is not None:
+                    ratios.setdefault(name, []).append(ratio)
             table[name] = {key: _median_run(results) for key, results in runs.items()}
     return table, ratios
 
@@ -505,6 +505,13 @@ def _tps(result):
     return float("nan") if result is None else result["tokens_per_s"]
 
 
+def _espo_over_vllm(row):
+    """espo f32's tokens/s over vLLM's better dtype in `row` ({engine: run}); None without a
+    vLLM run."""
+    vllm = [_tps(row[k]) for k in ("vLLM f32", "vLLM bf16") if row.get(k)]
+    return _tps(row["espo f32"]) / max(vllm) if vllm else None
+
+
 def moe_size_rows(table, ratios, *, bandwidth):
     rows = []
     for name, r in table.items():
@@ -512,11 +519,10 @@ def moe_size_rows(table, ratios, *, bandwidth):
         for key, result in r.items():
             ratio = "" if key == "espo f32" else f"espo f32 = {espo / _tps(result):.2f}x this"
             rows.append((f"{name}: {key} tokens/s", f"{_tps(result):,.0f}", ratio))
-        vllm = [_tps(r[k]) for k in ("vLLM f32", "vLLM bf16") if r.get(k)]
-        if vllm:
+        if (over := _espo_over_vllm(r)) is not None:
             per_round = ", ".join(f"{x:.2f}" for x in ratios.get(name, ()))
-            rows.append((f"{name}: espo f32 / vLLM (its better dtype)",
-                         f"{espo / max(vllm):.2f}x", f"per round {per_round}"))  # fmt: skip
+            rows.append((f"{name}: espo f32 / vLLM (its better dtype)", f"{over:.2f}x",
+                         f"per round {per_round}"))  # fmt: skip
         if r["espo f32"]:
             e = r["espo f32"]
             gbs = e["step_bytes"] * e["steps_per_s"] / 1e9

@@ -119,3 +119,11 @@ def test_moe_rounds_keep_each_engines_median_run(bench):
     assert bench._median_run(runs) == {"tokens_per_s": 5.0}
     assert bench._median_run(runs[:3]) == {"tokens_per_s": 3.0}  # the lower of two
     assert bench._median_run([None]) is None
+
+
+def test_espo_over_vllm_takes_vllms_better_run(bench):
+    run = lambda tps: {"tokens_per_s": tps}
+    row = {"espo f32": run(6.0), "vLLM f32": None, "vLLM bf16": run(4.0)}
+    assert bench._espo_over_vllm(row) == 1.5  # the failed f32 run left out
+    assert bench._espo_over_vllm({**row, "vLLM f32": run(5.0)}) == 1.2
+    assert bench._espo_over_vllm({"espo f32": run(6.0)}) is None
