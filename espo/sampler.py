@@ -146,8 +146,8 @@ def _shard_rows(s: _State) -> _State:
     """Each data shard of the context mesh decodes its own rows (and keeps their KV cache)."""
     rows = sharding.constrain_rows
     cache = s.cache.replace(
-        k=rows(s.cache.k, axis=1),
-        v=rows(s.cache.v, axis=1),
+        k=tuple(map(rows, s.cache.k)),
+        v=tuple(map(rows, s.cache.v)),
         kv_positions=rows(s.cache.kv_positions),
     )
     return s.replace(

@@ -248,9 +248,9 @@ class CountingModel:
     `step_delay_s` makes each forward take that long (a host callback), standing in for a model
     whose decode is slow.
 
-    Its KV cache has the real layout (`espo.model.layers.KVCache`: k, v [L, B, N, S, head_dim],
-    here N = 1 head of width 2) and holds each cached token's id in k[..., 0], so a cache written
-    in the wrong slots or rows shows; its `aux` is a real `ModelAux` of zeros.
+    Its KV cache has the real layout (`espo.model.layers.KVCache`: k, v a [B, N, S, head_dim]
+    buffer a layer, here N = 1 head of width 2) and holds each cached token's id in k[l][..., 0],
+    so a cache written in the wrong slots or rows shows; its `aux` is a real `ModelAux` of zeros.
     """
 
     NUM_EXPERTS = 3  # the "expert" of token t is t % 3
@@ -271,10 +271,10 @@ class CountingModel:
     def init_cache(self, *, batch, max_length):
         from espo.model import layers
 
-        shape = (self.num_layers, batch, 1, max_length, self.HEAD_DIM)  # [L, B, N, S, Dh]
+        shape = (batch, 1, max_length, self.HEAD_DIM)  # [B, N, S, Dh] a layer
         return layers.KVCache(
-            k=jnp.zeros(shape, jnp.float32),
-            v=jnp.zeros(shape, jnp.float32),
+            k=tuple(jnp.zeros(shape, jnp.float32) for _ in range(self.num_layers)),
+            v=tuple(jnp.zeros(shape, jnp.float32) for _ in range(self.num_layers)),
             kv_positions=jnp.full((batch, max_length), -1, jnp.int32),
             index=jnp.zeros((), jnp.int32),
         )
@@ -301,13 +301,12 @@ class CountingModel:
         if cache is not None:
             positions = jnp.where(attention_mask, 0, -1).astype(jnp.int32)  # [B, T]
             kv = jnp.broadcast_to(
-                tokens.astype(jnp.float32)[None, :, None, :, None],
-                (self.num_layers, B, 1, T, self.HEAD_DIM),
-            )  # [L, B, N, T, Dh]: each token's id, at its slots
-            at = (0, 0, 0, cache.index, 0)
+                tokens.astype(jnp.float32)[:, None, :, None], (B, 1, T, self.HEAD_DIM)
+            )  # [B, N, T, Dh]: each token's id, at its slots
+            write = lambda c: jax.lax.dynamic_update_slice(c, kv, (0, 0, cache.index, 0))
             cache = layers.KVCache(
-                k=jax.lax.dynamic_update_slice(cache.k, kv, at),
-                v=jax.lax.dynamic_update_slice(cache.v, kv, at),
+                k=tuple(map(write, cache.k)),
+                v=tuple(map(write, cache.v)),
                 kv_positions=jax.lax.dynamic_update_slice(
                     cache.kv_positions, positions, (0, cache.index)
                 ),

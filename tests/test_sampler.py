@@ -145,8 +145,8 @@ def test_sample_names_a_bad_num_samples_or_an_empty_prompt(num_samples, lengths,
 
 @pytest.mark.slow
 def test_fake_cache_has_the_real_layout_and_aux():
-    """The fake's KV cache is laid out as `layers.init_cache` lays out a real one ([L, B, N, S,
-    Dh]) and holds each token id at its slot and row; its aux is a real ModelAux."""
+    """The fake's KV cache is laid out as `layers.init_cache` lays out a real one (a [B, N, S,
+    Dh] buffer a layer) and holds each token id at its slot and row; its aux is a real ModelAux."""
     fake = testing.CountingModel(num_layers=2)
     real = model.ModelConfig.tiny(
         num_layers=2, num_heads=1, num_kv_heads=1, head_dim=testing.CountingModel.HEAD_DIM
@@ -158,7 +158,7 @@ def test_fake_cache_has_the_real_layout_and_aux():
     out = fake.forward(None, tokens, cache=fake.init_cache(batch=3, max_length=5))
     out = fake.forward(None, tokens[:, :1] + 10, cache=out.cache)
     want = np.array([[1, 2, 11, 0, 0], [3, 4, 13, 0, 0], [5, 6, 15, 0, 0]], np.float32)
-    np.testing.assert_array_equal(out.cache.k[1, :, 0, :, 0], want)  # [B, S] of layer 1
+    np.testing.assert_array_equal(out.cache.k[1][:, 0, :, 0], want)  # [B, S] of layer 1
     np.testing.assert_array_equal(out.cache.kv_positions[:, 3:], -1)
     assert int(out.cache.index) == 3
     assert isinstance(out.aux, model.ModelAux) and out.aux.expert_load.shape == (2, 3)
@@ -580,7 +580,7 @@ def test_the_decode_loop_keeps_every_row_array_split_over_the_batch_axes(params)
     # Layout, not values (a missing constraint changes no number): traced on an abstract
     # 2-way data mesh, every carried array with a rows axis (R = 3 prompts x 2 samples = 6,
     # no other dimension is 6) enters and leaves the decode loop constrained to rows on the
-    # batch axes, at its own rows axis (1 for the [L, R, ...] KV cache, 0 for the rest).
+    # batch axes, at its rows axis 0.
     R, batch = 6, sharding.BATCH_AXES
     run = functools.partial(
         sampler.sample_chunk, MODEL, params, num_samples=2, gen_len=8,
@@ -598,8 +598,10 @@ def test_the_decode_loop_keeps_every_row_array_split_over_the_batch_axes(params)
     for where, holder, carry in (("into", parent, carry_in), ("out of", body, body.outvars)):
         made_by = {id(v): e for e in holder.eqns for v in e.outvars}
         rows = [v for v in carry if R in v.aval.shape]
-        assert len(rows) == 11, (where, [v.aval.shape for v in rows])  # cache k, v, positions,
-        for v in rows:  # logits, tokens, logps, entropies, done, lengths, expert ids, weights
+        # Each layer's cache k and v; positions, logits, tokens, logps, entropies, done,
+        # lengths, expert ids, weights.
+        assert len(rows) == 2 * CFG.num_layers + 9, (where, [v.aval.shape for v in rows])
+        for v in rows:
             e = made_by.get(id(v))
             assert e is not None and e.primitive.name == "sharding_constraint", (where, v.aval)
             axis = v.aval.shape.index(R)

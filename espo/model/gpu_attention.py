@@ -3,8 +3,8 @@
 `layers.decode_attention` on CPU loops over the filled blocks of the cache in XLA; on a GPU that
 loop's trip count would be read back by the host every layer. Here the loop runs inside one
 kernel: program (b, n, s) takes kv head n of row b and visits the blocks s, s + splits, ... of
-the first `filled` slots of layer `layer`'s cache (in place: the [L, B, N, S, Dh] buffers are
-read, never copied), with an online softmax in float32; the `splits` partial results are
+the first `filled` slots of the layer's cache (in place: the [B, N, S, Dh] buffers are read,
+never copied), with an online softmax in float32; the `splits` partial results are
 combined in XLA (their maxima, normalizers and outputs). A step's cost grows with the tokens
 written so far, not with the buffer. The mask is any [B, S] pattern (left padding, holes);
 a block's slots past `filled` are read but masked. The last block starts at S - BLOCK when S is
@@ -36,10 +36,9 @@ def _splits(rows: int) -> int:
     return max(1, min(16, 256 // max(rows, 1)))
 
 
-def _kernel(filled_ref, layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, *, splits):
+def _kernel(filled_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, *, splits):
     b, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slots_total = k_ref.shape[3]
-    layer, filled = layer_ref[0], filled_ref[0]
+    slots_total, filled = k_ref.shape[2], filled_ref[0]
     q = q_ref[b, n]  # [Gp, Dh]
     gp, dh = q.shape
     scale = dh**-0.5
@@ -49,7 +48,7 @@ def _kernel(filled_ref, layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, 
         first = (s + i * splits) * BLOCK
         start = jnp.minimum(first, slots_total - BLOCK)
         slots = pl.ds(start, BLOCK)
-        k, v = k_ref[layer, b, n, slots, :], v_ref[layer, b, n, slots, :]  # [BLOCK, Dh]
+        k, v = k_ref[b, n, slots, :], v_ref[b, n, slots, :]  # [BLOCK, Dh]
         visible = (mask_ref[b, slots] != 0) & (start + jnp.arange(BLOCK) >= first)
         dims = (((1,), (1,)), ((), ()))
         logits = jax.lax.dot_general(q, k.astype(q.dtype), dims, preferred_element_type=jnp.float32)
@@ -78,17 +77,16 @@ def _kernel(filled_ref, layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, 
 
 def decode_attention(
     q: Float[Array, "B N G Dh"],
-    cache_k: Float[Array, "L B N S Dh"],
-    cache_v: Float[Array, "L B N S Dh"],
+    cache_k: Float[Array, "B N S Dh"],
+    cache_v: Float[Array, "B N S Dh"],
     mask: Bool[Array, "B 1 S"],
     *,
-    layer: Int[Array, " "],
     filled: Int[Array, " "],
     dtype,
     interpret: bool | None = None,
 ) -> Float[Array, "B N G Dh"]:
     """One query a row (G query heads per kv head) over the first `filled` visible slots of
-    layer `layer`'s cache; `layers.decode_attention`'s contract."""
+    one layer's cache; `layers.decode_attention`'s contract."""
     B, N, G, Dh = q.shape
     gp = max(16, 1 << (G - 1).bit_length())  # Triton's smallest dot: 16 rows
     splits = _splits(B * N)
@@ -113,7 +111,6 @@ def decode_attention(
         **extra,
     )(
         jnp.asarray(filled, jnp.int32).reshape(1),
-        jnp.asarray(layer, jnp.int32).reshape(1),
         q,
         cache_k,
         cache_v,

@@ -32,38 +32,42 @@ class KVCache:
     """Keys and values of every layer, written slot by slot.
 
     Attributes:
-      k, v: [L, B, N, S, head_dim] in the compute dtype (heads before slots, so attention's
-        dots need no transpose of the cache).
+      k, v: one buffer per layer, [B, N, S, head_dim] in the compute dtype (heads before slots,
+        so attention's dots need no transpose of the cache). Per-layer buffers, not one
+        [L, ...] array: a decode step's attention then reads its layer's buffer in place, where
+        slicing a layer out of a stacked cache copies it every step on CPU.
       kv_positions: int32 [B, S], the position of the token in each slot, -1 for empty slots and
         padding; attention visibility is derived from it.
       index: int32 [], the next slot to write (all rows write the same slots).
     """
 
-    k: Float[Array, "L B N S Dh"]
-    v: Float[Array, "L B N S Dh"]
+    k: tuple[Float[Array, "B N S Dh"], ...]
+    v: tuple[Float[Array, "B N S Dh"], ...]
     kv_positions: Int[Array, "B S"]
     index: Int[Array, " "]
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[3]
+        return self.kv_positions.shape[1]
 
     def repeat(self, n: int) -> KVCache:
         """Each row repeated n times, adjacent (row b -> rows b*n .. b*n + n - 1)."""
+        rows = lambda a: jnp.repeat(a, n, axis=0)
         return KVCache(
-            k=jnp.repeat(self.k, n, axis=1),
-            v=jnp.repeat(self.v, n, axis=1),
-            kv_positions=jnp.repeat(self.kv_positions, n, axis=0),
+            k=tuple(map(rows, self.k)),
+            v=tuple(map(rows, self.v)),
+            kv_positions=rows(self.kv_positions),
             index=self.index,
         )
 
 
 def init_cache(cfg: config_lib.ModelConfig, *, batch: int, max_length: int) -> KVCache:
     """An empty cache for `batch` rows of at most `max_length` tokens."""
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_length, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_length, cfg.head_dim)
+    empty = lambda: tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
     return KVCache(
-        k=jnp.zeros(shape, cfg.jnp_dtype),
-        v=jnp.zeros(shape, cfg.jnp_dtype),
+        k=empty(),
+        v=empty(),
         kv_positions=jnp.full((batch, max_length), -1, jnp.int32),
         index=jnp.zeros((), jnp.int32),
     )
@@ -163,12 +167,9 @@ class Attention(nn.Module):
         positions: Int[Array, "B T"],
         mask: Bool[Array, "B T S"],
         kv: tuple[Array, Array] | None,
-        layer: Int[Array, " "] | None,
         write_index: Int[Array, " "] | None,
     ) -> tuple[Float[Array, "B T D"], tuple[Array, Array] | None]:
-        """kv: the whole cache (k, v) [L, B, N, S, Dh], carried through the layer scan and
-        updated in place at (layer, write_index): slicing per-layer caches in and out of the
-        scan would copy the whole cache at every decode step."""
+        """kv: this layer's cache (k, v) [B, N, S, Dh], written in place at write_index."""
         cfg = self.cfg
         D, H, N, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pd, dt = cfg.jnp_param_dtype, cfg.jnp_dtype
@@ -203,15 +204,14 @@ class Attention(nn.Module):
         if kv is None:
             keys, values, new_kv = k, v, None
         else:
-            cache_k, cache_v = kv  # [L, B, N, S, Dh]
-            start = (layer, 0, 0, write_index, 0)
-            cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype)[None], start)
-            cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype)[None], start)
-            new_kv = (cache_k, cache_v)
-            keys, values = cache_k[layer], cache_v[layer]  # [B, N, S, Dh] (unread if blocked)
+            cache_k, cache_v = kv  # this layer's [B, N, S, Dh]
+            start = (0, 0, write_index, 0)
+            cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)
+            cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
+            new_kv = keys, values = cache_k, cache_v
         if kv is not None and blocked_decode(T, keys.shape[2]):
             out = decode_attention(
-                q, *new_kv, mask, layer=layer, filled=write_index + T, dtype=dt
+                q, *new_kv, mask, filled=write_index + T, dtype=dt
             )  # [B, N, T * G, Dh]
         else:
             logits = jax.lax.dot_general(q, keys.astype(dt), (((3,), (3,)), batch_dims))
@@ -241,25 +241,22 @@ def blocked_decode(query_length: int, cache_length: int) -> bool:
 
 def decode_attention(
     q: Float[Array, "B N TG Dh"],
-    cache_k: Float[Array, "L B N S Dh"],
-    cache_v: Float[Array, "L B N S Dh"],
+    cache_k: Float[Array, "B N S Dh"],
+    cache_v: Float[Array, "B N S Dh"],
     mask: Bool[Array, "B T S"],
     *,
-    layer: Int[Array, " "],
     filled: Int[Array, " "],
     dtype,
 ) -> Float[Array, "B N TG Dh"]:
-    """Attention of queries [B, N, T*G, Dh] over the first `filled` slots of layer `layer`'s
+    """Attention of queries [B, N, T*G, Dh] over the first `filled` slots of one layer's
     cache (every slot past them is empty), DECODE_BLOCK slots at a time with an online softmax
     (running max, normalizer and output in float32): a step's cost grows with the tokens
     written so far, not with the buffer. Exact against the whole-buffer softmax for every query
     with a visible key. The last block starts at S - DECODE_BLOCK when S is no multiple of it;
     the slots it shares with the block before are masked out."""
-    block, (B, N, TG, Dh), S = DECODE_BLOCK, q.shape, cache_k.shape[3]
+    block, (B, N, TG, Dh), S = DECODE_BLOCK, q.shape, cache_k.shape[2]
     if jax.default_backend() == "gpu" and mask.shape[1] == 1 and gpu_attention.supported(Dh, S):
-        return gpu_attention.decode_attention(
-            q, cache_k, cache_v, mask, layer=layer, filled=filled, dtype=dtype
-        )
+        return gpu_attention.decode_attention(q, cache_k, cache_v, mask, filled=filled, dtype=dtype)
     T = mask.shape[1]
     G = TG // T
     batch_dims = ((0, 1), (0, 1))
@@ -268,9 +265,9 @@ def decode_attention(
         m, total, acc = carry  # max, normalizer [B, N, TG]; output [B, N, TG, Dh]
         first = i * block
         start = jnp.minimum(first, S - block)
-        window = (1, B, N, block, Dh)
-        k = jax.lax.dynamic_slice(cache_k, (layer, 0, 0, start, 0), window)[0]
-        v = jax.lax.dynamic_slice(cache_v, (layer, 0, 0, start, 0), window)[0]
+        window = (B, N, block, Dh)
+        k = jax.lax.dynamic_slice(cache_k, (0, 0, start, 0), window)
+        v = jax.lax.dynamic_slice(cache_v, (0, 0, start, 0), window)
         visible = jax.lax.dynamic_slice(mask, (0, 0, start), (B, T, block))
         visible &= start + jnp.arange(block) >= first  # not the previous block's slots again
         s = jax.lax.dot_general(q, k.astype(dtype), (((3,), (3,)), batch_dims))

@@ -107,18 +107,24 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, carry, layer_in, ctx):
-        """carry: (x [B, T, D], whole KV cache or None); layer_in: this layer's scanned inputs."""
+        """carry: (x [B, T, D], KV cache or None); layer_in: this layer's scanned inputs. The
+        cache is this layer's (k, v) [B, N, S, Dh], or in a scan every layer's [L, B, N, S, Dh]
+        with layer_in["layer"] this layer's index in it."""
         cfg = self.cfg
         x, kv = carry
+        layer = layer_in["layer"]
+        own = kv if kv is None or layer is None else tuple(c[layer] for c in kv)
         h = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="input_norm")(x)
         a, new_kv = layers.Attention(cfg, name="attn")(
             h,
             positions=ctx["positions"],
             mask=ctx["mask"],
-            kv=kv,
-            layer=layer_in["layer"],
+            kv=own,
             write_index=ctx["write_index"],
         )
+        if kv is not None and layer is not None:
+            put = lambda c, o: jax.lax.dynamic_update_index_in_dim(c, o, layer, 0)
+            new_kv = tuple(map(put, kv, new_kv))
         x = x + a
         h = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="post_attn_norm")(x)
         if self.is_moe:
@@ -142,7 +148,8 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, *, ctx, kv, routing):
-        """kv: (k, v) [L, B, S, N, Dh] or None; routing: (ids, weights) [L, B, T, K] or None."""
+        """kv: (k, v), each a tuple of L per-layer [B, N, S, Dh] buffers, or None; routing:
+        (ids, weights) [L, B, T, K] or None."""
         cfg = self.cfg
         dt = cfg.jnp_dtype
         embed = self.param(
@@ -150,24 +157,25 @@ class Transformer(nn.Module):
             cfg.jnp_param_dtype,
         )  # fmt: skip
         x = embed.astype(dt)[tokens]  # [B, T, D]
-        run_extras = []
+        run_extras, new_kv = [], []  # new_kv: each layer's (k, v)
         for r, (is_moe, start, length) in enumerate(cfg.layer_runs()):
             take = lambda a, s=start, n=length: None if a is None else a[s : s + n]
             layer_in = {
-                "layer": jnp.arange(start, start + length, dtype=jnp.int32),
+                "layer": jnp.arange(length, dtype=jnp.int32),  # the index in the run's scan
                 "replay_ids": take(routing[0]) if (is_moe and routing) else None,
                 "replay_weights": take(routing[1]) if (is_moe and routing) else None,
             }
+            run_kv = [None] * length if kv is None else list(zip(*map(take, kv), strict=True))
             args = (cfg, is_moe, self.mode, self.impl, self.replay_missing)
-            if self.unrolled:
+            if self.unrolled:  # each layer reads and writes its own cache buffers
                 per_layer = []
                 for i in range(length):
-                    layer_i = jax.tree.map(lambda a, i=i: a[i], layer_in)
+                    layer_i = jax.tree.map(lambda a, i=i: a[i], layer_in) | {"layer": None}
                     block = Block(*args, name=layer_name(r, i))
-                    (x, kv), extras = block((x, kv), layer_i, ctx)
+                    (x, run_kv[i]), extras = block((x, run_kv[i]), layer_i, ctx)
                     per_layer.append(extras)
                 extras = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-            else:
+            else:  # the scan carries the run's buffers stacked [length, ...]
                 scanned = nn.scan(
                     Block,
                     variable_axes={"params": 0},
@@ -175,8 +183,14 @@ class Transformer(nn.Module):
                     in_axes=(0, nn.broadcast),
                     length=length,
                 )
-                (x, kv), extras = scanned(*args, name=run_name(r))((x, kv), layer_in, ctx)
+                stacked = None if kv is None else tuple(map(jnp.stack, zip(*run_kv, strict=True)))
+                (x, stacked), extras = scanned(*args, name=run_name(r))((x, stacked), layer_in, ctx)
+                run_kv = (
+                    run_kv if kv is None else list(zip(*map(jnp.unstack, stacked), strict=True))
+                )
+            new_kv += run_kv
             run_extras.append((is_moe, length, extras))
+        new_kv = None if kv is None else tuple(zip(*new_kv, strict=True))  # (k, v): L buffers each
         x = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="final_norm")(x)
         hidden = x
         if cfg.tie_embeddings:
@@ -187,7 +201,7 @@ class Transformer(nn.Module):
                 cfg.jnp_param_dtype,
             )  # fmt: skip
             logits = x @ w_out.astype(dt)  # [B, T, V]
-        return logits.astype(jnp.float32), hidden, kv, run_extras
+        return logits.astype(jnp.float32), hidden, new_kv, run_extras
 
 
 def init(cfg: config_lib.ModelConfig, key: jax.Array) -> dict:

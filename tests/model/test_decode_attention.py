@@ -24,25 +24,25 @@ def _softmax_attention(q, keys, values, mask):
 
 @pytest.mark.parametrize(("block", "filled"), [(8, 37), (8, 40), (16, 37), (12, 40)])
 def test_blocks_of_the_filled_slots_equal_the_whole_buffer_softmax(block, filled):
-    """S = 40 slots of layer 1 of 2; slots past `filled` hold garbage that must not be read
+    """S = 40 slots; slots past `filled` hold garbage that must not be read
     (the blocked path never visits them); row 0's first 11 slots are left padding (a whole
     masked block at block 8). Block 12: the last block starts at 28, not 36, and the slots it
     shares with the block before count once."""
     B, N, G, S, Dh = 2, 2, 3, 40, 4
     ks = jax.random.split(jax.random.key(block + filled), 3)
     q = jax.random.normal(ks[0], (B, N, G, Dh))
-    cache_k, cache_v = (jax.random.normal(k, (2, B, N, S, Dh)) for k in ks[1:])
+    cache_k, cache_v = (jax.random.normal(k, (B, N, S, Dh)) for k in ks[1:])
     slot = np.arange(S)
     mask = (slot < filled)[None].repeat(B, 0)
     mask[0, :11] = False
     mask[1, 5] = False
     # Garbage past the filled slots: NaN keys would poison any softmax that read them.
-    cache_k = cache_k.at[:, :, :, filled:].set(jnp.nan)
-    want = _softmax_attention(q, cache_k[1], cache_v[1], mask)
+    cache_k = cache_k.at[:, :, filled:].set(jnp.nan)
+    want = _softmax_attention(q, cache_k, cache_v, mask)
     with mock.patch.object(layers, "DECODE_BLOCK", block):
         got = layers.decode_attention(  # eager: a jit would cache the first block size's trace
             q.reshape(B, N, G, Dh), cache_k, cache_v, jnp.asarray(mask)[:, None],
-            layer=1, filled=jnp.int32(filled), dtype=jnp.float32,
+            filled=jnp.int32(filled), dtype=jnp.float32,
         )  # fmt: skip
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -68,14 +68,14 @@ def test_gpu_kernel_over_the_filled_slots_equals_the_whole_buffer_softmax(slots,
     B, N, G, S, Dh = batch, 2, 3, slots, 16
     ks = jax.random.split(jax.random.key(slots + filled), 3)
     q = jax.random.normal(ks[0], (B, N, G, Dh))
-    cache_k, cache_v = (jax.random.normal(k, (2, B, N, S, Dh)) for k in ks[1:])
+    cache_k, cache_v = (jax.random.normal(k, (B, N, S, Dh)) for k in ks[1:])
     mask = (np.arange(S) < filled)[None].repeat(B, 0)
     mask[0, : min(70, filled - 1)] = False
     mask[B - 1, 5] = False
-    cache_k = cache_k.at[:, :, :, filled:].set(jnp.nan)
-    want = _softmax_attention(q, cache_k[1], cache_v[1], mask)
+    cache_k = cache_k.at[:, :, filled:].set(jnp.nan)
+    want = _softmax_attention(q, cache_k, cache_v, mask)
     got = gpu_attention.decode_attention(
-        q, cache_k, cache_v, jnp.asarray(mask)[:, None], layer=1, filled=jnp.int32(filled),
+        q, cache_k, cache_v, jnp.asarray(mask)[:, None], filled=jnp.int32(filled),
         dtype=jnp.float32, interpret=True,
     )  # fmt: skip
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -89,14 +89,14 @@ if jax.default_backend() == "gpu":
         B, N, G, S, Dh, filled = 3, 2, 4, 300, 64, 211
         ks = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(ks[0], (B, N, G, Dh), jnp.bfloat16)
-        cache_k, cache_v = (jax.random.normal(k, (2, B, N, S, Dh), jnp.bfloat16) for k in ks[1:])
+        cache_k, cache_v = (jax.random.normal(k, (B, N, S, Dh), jnp.bfloat16) for k in ks[1:])
         mask = (np.arange(S) < filled)[None].repeat(B, 0)
         mask[0, :70] = False
         got = gpu_attention.decode_attention(
-            q, cache_k, cache_v, jnp.asarray(mask)[:, None], layer=1, filled=jnp.int32(filled),
+            q, cache_k, cache_v, jnp.asarray(mask)[:, None], filled=jnp.int32(filled),
             dtype=jnp.bfloat16, interpret=False,
         )  # fmt: skip
-        want = _softmax_attention(q, cache_k[1], cache_v[1], mask)
+        want = _softmax_attention(q, cache_k, cache_v, mask)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=3e-2, rtol=3e-2)
 
 
@@ -104,10 +104,8 @@ def test_gpu_kernel_lowers_for_cuda_without_a_gpu():
     """The kernel through Pallas' Triton lowering for CUDA (what a GPU compiles), at a decode
     shape of the bench model (B=8, 4 kv heads, 4 query heads each, Dh=128, 4112 slots, bf16)."""
     q = jnp.zeros((8, 4, 4, 128), jnp.bfloat16)
-    cache = jnp.zeros((2, 8, 4, 4112, 128), jnp.bfloat16)
-    fn = functools.partial(
-        gpu_attention.decode_attention, layer=1, dtype=jnp.bfloat16, interpret=False
-    )
+    cache = jnp.zeros((8, 4, 4112, 128), jnp.bfloat16)
+    fn = functools.partial(gpu_attention.decode_attention, dtype=jnp.bfloat16, interpret=False)
     lowered = jax.jit(fn).trace(q, cache, cache, jnp.ones((8, 1, 4112), bool), filled=jnp.int32(9))
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
