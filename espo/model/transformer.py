@@ -161,7 +161,6 @@ class Transformer(nn.Module):
         for r, (is_moe, start, length) in enumerate(cfg.layer_runs()):
             take = lambda a, s=start, n=length: None if a is None else a[s : s + n]
             layer_in = {
-                "layer": jnp.arange(length, dtype=jnp.int32),  # the index in the run's scan
                 "replay_ids": take(routing[0]) if (is_moe and routing) else None,
                 "replay_weights": take(routing[1]) if (is_moe and routing) else None,
             }
@@ -184,6 +183,7 @@ class Transformer(nn.Module):
                     length=length,
                 )
                 stacked = None if kv is None else tuple(map(jnp.stack, zip(*run_kv, strict=True)))
+                layer_in["layer"] = jnp.arange(length, dtype=jnp.int32)  # the index in the scan
                 (x, stacked), extras = scanned(*args, name=run_name(r))((x, stacked), layer_in, ctx)
                 run_kv = (
                     run_kv if kv is None else list(zip(*map(jnp.unstack, stacked), strict=True))
