@@ -27,6 +27,11 @@ in the same run):
           slots only (`layers.decode_attention`: XLA's block loop on CPU, on a GPU
           `gpu_attention`'s Triton kernel), at 1024 and 4096 new tokens, B=8, alternated in one
           process.
+  --tpu v5e:2x2: the hlo section compiled for a TPU of that topology without one (JAX's
+          deviceless AOT: `pip install libtpu==0.0.42.1`, jax[tpu]'s pin for jax 0.10.2), the
+          bench MoE in bf16, XLA's paths and megablox's (`moe.expert_ffn(impl="megablox")`).
+          A Pallas kernel's FLOPs there are its declared `CostEstimate` (megablox: the useful
+          ones), XLA's own ops' FLOPs the compiler's count.
 On a GPU the model is bench_rollout.py's 1.2B MoE (D=2048, F=1408, 16 experts top-2, 12 layers,
 bf16); elsewhere configs/default.py's model class in float32 (--quick: the tiny one).
 `experiments/gpu_check.sh` runs this first on a lent GPU.
@@ -169,13 +174,54 @@ def hlo_summary(compiled, useful_flops: float) -> dict:
     targets = [
         m.group(1) for _, ln in lines if (m := re.search(r'custom_call_target="([^"]+)"', ln))
     ]
-    dots = [re.search(r"=\s*(\S+)", ln).group(1) for op, ln in lines if op == "dot"]
+    dots = [  # TPU HLO multiplies in convolutions
+        re.search(r"=\s*(\S+)", ln).group(1) for op, ln in lines if op in ("dot", "convolution")
+    ]
     return {
         "flops_over_useful": flops / useful_flops,
         "ragged_dot_ops": sum(op == "ragged-dot" for op, _ in lines),
         "dots": dots[:12],
         "custom_calls": sorted(set(targets)),
     }
+
+
+def tpu_hlo_rows(topology: str, impls, *, d, f, experts, top_k, dtype, row_counts) -> list:
+    """`gmm_rows`' HLO summaries compiled for a TPU `topology` (e.g. "v5e:2x2") on this host:
+    abstract arguments on the topology's first device, nothing run."""
+    from jax.experimental import topologies
+
+    gen, shape = topology.split(":")
+    bounds = tuple(int(n) for n in shape.split("x")) + (1,) * (3 - len(shape.split("x")))
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name=topology, chip_config_name="default",
+        chips_per_host_bounds=bounds, num_slices=1,
+    )  # fmt: skip
+    one = jax.sharding.Mesh(topo.devices[:1], ("x",))
+    spec = jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec())
+    arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=spec)  # noqa: E731
+    weights = (
+        arg((experts, d, f), dtype),
+        arg((experts, d, f), dtype),
+        arg((experts, f, d), dtype),
+    )
+    out = []
+    for tokens, backward in row_counts:
+        rows = tokens * top_k
+        useful = 2.0 * rows * d * f * 3 * (3 if backward else 1)
+        for impl in impls:
+            row = {"impl": impl, "tokens": tokens, "rows": rows, "backward": backward,
+                   "device": topo.devices[0].device_kind}  # fmt: skip
+            ffn = ffn_of(impl)
+            fn = jax.jit(jax.grad(_loss(ffn), argnums=(0, 2, 3, 4)) if backward else ffn)
+            try:
+                with mock.patch.object(jax, "default_backend", lambda: "tpu"):  # no interpret
+                    traced = fn.trace(arg((rows, d), dtype), arg((experts,), jnp.int32), *weights)
+                row.update(hlo_summary(traced.lower().compile(), useful))
+            except Exception as err:  # as gmm_rows: say why, go on
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
 
 
 # ---- the grouped matmul paths -------------------------------------------------------------------
@@ -482,7 +528,20 @@ def main(argv=None) -> dict:
         "--tiles", default="", help='JSON: grouped.TRITON_TILES fields for every section, e.g. '
         '\'{"block_k": 64, "fp8_operand": "float16"}\''
     )  # fmt: skip
+    ap.add_argument("--tpu", default="", help="a TPU topology (v5e:2x2): the hlo section for it")
     args = ap.parse_args(argv)
+    if args.tpu:  # the bench MoE compiled for a TPU here; nothing else
+        cfg = model.ModelConfig(**GPU_MODEL)
+        shapes = dict(d=cfg.d_model, f=cfg.moe_ffn_dim, experts=cfg.num_experts,
+                      top_k=cfg.top_k, dtype=jnp.dtype(cfg.dtype))  # fmt: skip
+        rows = tpu_hlo_rows(
+            args.tpu, ["ragged", "capacity", "blocked", "megablox"],
+            row_counts=[(8, False), (64, False), (4096, False), (4096, True)], **shapes,
+        )  # fmt: skip
+        result = {"backend": "tpu (compiled here)", "topology": args.tpu, "gmm": rows}
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        return result
     grouped.TRITON_TILES.update(json.loads(args.tiles or "{}"))
     if args.cache:
         jax.config.update("jax_compilation_cache_dir", args.cache)

@@ -18,6 +18,12 @@ the suite checks. `kernels="reference"` runs the same VJP with `jax.lax.ragged_d
 masked einsum in place of the kernels: the CPU-checkable form the suite tests against
 `moe.moe_reference` (the Mosaic GPU kernels have no interpret mode; tests/model/test_grouped.py
 checks them on a GPU).
+`kernels="megablox"` is the TPU form: JAX's megablox kernels (`jax.experimental.pallas.ops.tpu.
+megablox`, MaxText's grouped matmul), `gmm` for the forward and dx and `tgmm` for dw. On a TPU
+XLA's ragged_dot runs the forward and dx as grouped kernels but its weight gradient as a dense
+product over every group (the optimized HLO compiled for a v5e, `experiments/bench_moe.py
+--tpu`: a convolution per dw, 6.0x the useful FLOPs of forward + backward at E=16); off a TPU
+the kernels run in Pallas' interpret mode, the form the suite checks.
 Rows past sum(group_sizes) belong to no group: their outputs and gradients are 0.
 """
 
@@ -32,7 +38,7 @@ from jaxtyping import Array, Float, Int
 
 from espo import errors
 
-KERNELS = ("mosaic_gpu", "triton", "reference")
+KERNELS = ("mosaic_gpu", "triton", "megablox", "reference")
 DTYPES = (jnp.bfloat16, jnp.float16)  # the kernels' wgmma operand types (no float32)
 TILE = 64  # block_m and block_k of the kernels: K and N must be multiples of it
 # The Triton kernel's widest column and contraction blocks, warps per program, pipeline stages,
@@ -63,6 +69,26 @@ def supported(dtype, k: int, n: int) -> bool:
 def experts_supported(dtype, d: int, f: int) -> bool:
     """Whether `swiglu_experts` with widths d (model) and f (expert) runs on the kernels."""
     return supported(dtype, d, f) and supported(dtype, f, d)
+
+
+def megablox_supported(dtype) -> bool:
+    """Whether `gmm(kernels="megablox")` takes this operand type (megablox: bf16, float32)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _megablox():
+    import importlib  # the module, not the package's `gmm` (its custom VJP: ours is `gmm`)
+
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _megablox_tiling(rows: int, k: int, n: int) -> tuple[tuple[int, int, int], int]:
+    """(tm, tk, tn) and the rows to pad: 128-row tiles (fewer rows: one tile, a multiple of 16),
+    contraction and column tiles the widest of 512, 256, 128 that divides the width (a whole
+    width otherwise: TPU tiles are lane multiples or the full dimension)."""
+    tm = 128 if rows >= 128 else -(-rows // 16) * 16
+    lane = lambda w: next((b for b in (512, 256, 128) if w % b == 0), w)  # noqa: E731
+    return (tm, lane(k), lane(n)), -rows % tm
 
 
 def _tiles(n: int) -> dict:
@@ -205,6 +231,14 @@ def _ragged(x, w, group_sizes, *, kernels: str, transpose_rhs: bool = False):
         )
     if kernels == "triton":
         return _triton_ragged(x, w, group_sizes, transpose_rhs=transpose_rhs)
+    if kernels == "megablox":
+        n = w.shape[1] if transpose_rhs else w.shape[2]
+        tiling, pad = _megablox_tiling(x.shape[0], x.shape[1], n)
+        y = _megablox().gmm(
+            jnp.pad(x, ((0, pad), (0, 0))), w, group_sizes.astype(jnp.int32), x.dtype, tiling,
+            transpose_rhs=transpose_rhs, interpret=jax.default_backend() != "tpu",
+        )  # fmt: skip
+        return y[: x.shape[0]]
     return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
 
 
@@ -216,6 +250,13 @@ def _per_group_outer(x, dy, group_sizes, *, kernels: str):
         return transposed_ragged_dot_mgpu.transposed_ragged_dot(
             x, dy, group_sizes=group_sizes, **_tiles(dy.shape[1])
         )
+    if kernels == "megablox":
+        tiling, pad = _megablox_tiling(*x.shape, dy.shape[1])
+        rows = ((0, pad), (0, 0))
+        return _megablox().tgmm(
+            jnp.pad(x, rows).T, jnp.pad(dy, rows), group_sizes.astype(jnp.int32), jnp.float32,
+            tiling, interpret=jax.default_backend() != "tpu",
+        )  # fmt: skip
     ends = jnp.cumsum(group_sizes)
     group = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")  # G: past the groups
     one_hot = jax.nn.one_hot(group, group_sizes.shape[0], dtype=x.dtype)  # [R, G]

@@ -22,9 +22,14 @@ sorted by expert and handed to `expert_ffn`, a grouped matmul over contiguous ex
   * "triton" (the default on GPUs up to DENSE_ROWS rows: decode): a Pallas Triton grouped
     matmul (`espo.model.grouped`) whose programs exist only for the touched experts' rows, FP8
     weights read as FP8; interpret mode off a GPU.
+  * "megablox" (the default on TPUs above DENSE_ROWS rows, bf16 / float32): JAX's megablox
+    kernels behind the same custom VJP (`espo.model.grouped`), as MaxText trains its MoEs;
+    interpret mode off a TPU.
   * "ragged": `jax.lax.ragged_dot`. XLA lowers it to a dense matmul over every expert on CPU
     and on NVIDIA GPUs (the optimized HLO's FLOPs are E times the useful ones at decode rows);
-    the TPU default.
+    on a TPU to grouped kernels for the forward and dx but a dense product over every expert
+    for dw (6.0x the useful FLOPs forward + backward at E=16, compiled for a v5e); the TPU
+    default at decode rows.
   * "blocked": each expert's group is padded to a multiple of a block size and every block is
     multiplied by its expert's weights, gathered per block: at small groups (decode, many
     experts) the gathers copy more than all expert weights per matmul. Kept for comparison.
@@ -51,7 +56,7 @@ from espo.model import config as config_lib
 from espo.model import grouped, layers
 
 RoutingMode = config_lib.RoutingMode
-DISPATCH_IMPLS = ("auto", "ragged", "capacity", "blocked", "mosaic_gpu", "triton")
+DISPATCH_IMPLS = ("auto", "ragged", "capacity", "blocked", "mosaic_gpu", "triton", "megablox")
 # Up to this many rows (tokens x K) "auto" takes the Triton grouped matmul on a GPU (decode;
 # XLA's dense ragged_dot where its widths do not fit). On an H100 at D=2048, F=1408, E=16
 # (bench_moe.py), alone: Triton 0.20 / 0.24 ms at 16 / 128 rows, ragged 0.22-0.28 / 0.26-0.29,
@@ -192,8 +197,9 @@ def expert_ffn(
         return _capacity_ffn(xs, group_sizes, w_gate, w_up, w_down, capacity=C)
     if impl == "blocked":
         return _blocked_ffn(xs, group_sizes, w_gate, w_up, w_down)
-    if impl == "mosaic_gpu":
-        return grouped.swiglu_experts(xs, group_sizes, w_gate, w_up, w_down)
+    if impl in ("mosaic_gpu", "megablox"):
+        kernels = "auto" if impl == "mosaic_gpu" else impl
+        return grouped.swiglu_experts(xs, group_sizes, w_gate, w_up, w_down, kernels=kernels)
     raise errors.InvalidValue("dispatch", "impl", impl, f"one of {DISPATCH_IMPLS[1:]}")
 
 
@@ -428,15 +434,21 @@ def _block_size(rows: int, experts: int) -> int:
 
 def default_impl(dtype=None, d: int = 0, f: int = 0, rows: int = 0) -> str:
     """The dispatch path of "auto" for `rows` rows [rows, d] and experts of width f in `dtype`:
-    capacity on CPU, ragged on TPU. On a GPU (measured on an H100, docs/gpu): up to DENSE_ROWS
-    rows (decode) the Triton grouped matmul where it fits (one bf16 / f16 operand type, d and f
-    multiples of 16: `grouped.triton_supported`; float32 would multiply in TF32): 1.18-1.23x
+    capacity on CPU. On a TPU up to DENSE_ROWS rows XLA's ragged_dot (grouped kernels forward),
+    above them (prefill, the update: ragged_dot's dw is dense there) megablox for bf16 / float32
+    (not yet timed on a TPU: the choice is from the compiled HLO, docs/gpu). On a GPU (measured
+    on an H100, docs/gpu): up to DENSE_ROWS rows (decode) the Triton grouped matmul where it
+    fits (one bf16 / f16 operand type, d and f multiples of 16: `grouped.triton_supported`;
+    float32 would multiply in TF32): 1.18-1.23x
     XLA's dense ragged_dot's decode tokens/s at B=8, 1.0-1.09x at B=64; else ragged. Above
     DENSE_ROWS the Mosaic GPU kernels where they run (Hopper, bf16 / f16, d and f multiples of
     64; prefill and the update), else capacity."""
     backend = jax.default_backend()
     if backend == "cpu":
         return "capacity"
+    if backend == "tpu":
+        big = rows > DENSE_ROWS and dtype is not None and grouped.megablox_supported(dtype)
+        return "megablox" if big else "ragged"
     if backend != "gpu":
         return "ragged"
     if rows <= DENSE_ROWS:

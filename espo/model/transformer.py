@@ -289,9 +289,9 @@ def forward(
       cache: a `KVCache`; the T tokens are written at slots [cache.index, cache.index + T).
       routing: a `RouterTrace` [B, L, T, K] to replay (required unless routing_mode is FREE).
       routing_mode: static; see `RoutingMode`.
-      dispatch_impl: static; "auto" (`moe.default_impl`: capacity on CPU, Mosaic GPU kernels on
-        Hopper, ragged on TPU), "capacity", "ragged", "blocked", "mosaic_gpu" or "triton"
-        (`moe.expert_ffn`).
+      dispatch_impl: static; "auto" (`moe.default_impl`: capacity on CPU, Triton / Mosaic GPU
+        kernels on GPUs, ragged / megablox on TPUs, by rows), "capacity", "ragged", "blocked",
+        "mosaic_gpu", "triton" or "megablox" (`moe.expert_ffn`).
       return_hidden: static; also return the final-norm hidden state [B, T, D] (for value or
         reward heads).
       replay_missing: static; what a replaying forward does with a real token (attention_mask

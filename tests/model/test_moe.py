@@ -39,8 +39,8 @@ def _routing(seed, *, unrecorded=0):
 
 
 # "mosaic_gpu" runs its custom VJP with reference matmuls off a GPU (espo.model.grouped);
-# "triton" its kernel in Pallas' interpret mode.
-IMPLS = ["capacity", "blocked", "ragged", "mosaic_gpu", "triton"]
+# "triton" and "megablox" their kernels in Pallas' interpret mode.
+IMPLS = ["capacity", "blocked", "ragged", "mosaic_gpu", "triton", "megablox"]
 
 
 def _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, **kw):
@@ -195,6 +195,10 @@ def test_auto_is_capacity_on_cpu_ragged_on_tpu_by_rows_and_kernel_on_gpu(weights
     cases = (
         ("cpu", False, (bf16, 128, 128, 8), "capacity"),
         ("tpu", False, (bf16, 128, 128, 8), "ragged"),
+        ("tpu", False, (bf16, 128, 1408, moe.DENSE_ROWS + 1), "megablox"),  # dw not dense
+        ("tpu", False, (jnp.float32, 128, 128, 4096), "megablox"),
+        ("tpu", False, (jnp.float16, 128, 128, 4096), "ragged"),  # megablox: bf16, f32
+        ("tpu", False, (None, 128, 128, 4096), "ragged"),  # two operand types
         ("gpu", True, (bf16, 128, 1408, moe.DENSE_ROWS), "triton"),  # decode rows
         ("gpu", False, (jnp.float16, 128, 1408, 16), "triton"),  # any GPU
         ("gpu", True, (jnp.float32, 128, 1408, 16), "ragged"),  # no TF32 products
