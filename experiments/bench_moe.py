@@ -29,7 +29,8 @@ in the same run):
           process.
   --tpu v5e:2x2: the hlo section compiled for a TPU of that topology without one (JAX's
           deviceless AOT: `pip install libtpu==0.0.42.1`, jax[tpu]'s pin for jax 0.10.2), the
-          bench MoE in bf16, XLA's paths and megablox's (`moe.expert_ffn(impl="megablox")`).
+          bench MoE in bf16, XLA's paths and megablox's (`moe.expert_ffn(impl="megablox")`),
+          and the model's value and gradient (one layer, 8 x 512 tokens) per path.
           A Pallas kernel's FLOPs there are its declared `CostEstimate` (megablox: the useful
           ones), XLA's own ops' FLOPs the compiler's count.
 On a GPU the model is bench_rollout.py's 1.2B MoE (D=2048, F=1408, 16 experts top-2, 12 layers,
@@ -185,9 +186,9 @@ def hlo_summary(compiled, useful_flops: float) -> dict:
     }
 
 
-def tpu_hlo_rows(topology: str, impls, *, d, f, experts, top_k, dtype, row_counts) -> list:
-    """`gmm_rows`' HLO summaries compiled for a TPU `topology` (e.g. "v5e:2x2") on this host:
-    abstract arguments on the topology's first device, nothing run."""
+def _tpu_device(topology: str):
+    """The first device of a TPU `topology` (JAX's deviceless AOT; libtpu installed) and a
+    replicated sharding on it."""
     from jax.experimental import topologies
 
     gen, shape = topology.split(":")
@@ -198,6 +199,13 @@ def tpu_hlo_rows(topology: str, impls, *, d, f, experts, top_k, dtype, row_count
     )  # fmt: skip
     one = jax.sharding.Mesh(topo.devices[:1], ("x",))
     spec = jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec())
+    return topo.devices[0].device_kind, spec
+
+
+def tpu_hlo_rows(topology: str, impls, *, d, f, experts, top_k, dtype, row_counts) -> list:
+    """`gmm_rows`' HLO summaries compiled for a TPU `topology` (e.g. "v5e:2x2") on this host:
+    abstract arguments on the topology's first device, nothing run."""
+    kind, spec = _tpu_device(topology)
     arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=spec)  # noqa: E731
     weights = (
         arg((experts, d, f), dtype),
@@ -210,7 +218,7 @@ def tpu_hlo_rows(topology: str, impls, *, d, f, experts, top_k, dtype, row_count
         useful = 2.0 * rows * d * f * 3 * (3 if backward else 1)
         for impl in impls:
             row = {"impl": impl, "tokens": tokens, "rows": rows, "backward": backward,
-                   "device": topo.devices[0].device_kind}  # fmt: skip
+                   "device": kind}  # fmt: skip
             ffn = ffn_of(impl)
             fn = jax.jit(jax.grad(_loss(ffn), argnums=(0, 2, 3, 4)) if backward else ffn)
             try:
@@ -221,6 +229,30 @@ def tpu_hlo_rows(topology: str, impls, *, d, f, experts, top_k, dtype, row_count
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
             out.append(row)
             print(json.dumps(row), flush=True)
+    return out
+
+
+def tpu_model_rows(topology: str, cfg, impls, *, batch: int = 8, length: int = 512) -> list:
+    """The model's value and gradient (logsumexp of the logits, every parameter) on [batch,
+    length] tokens per dispatch path, compiled for a TPU `topology`: the compiler's TFLOPs."""
+    kind, spec = _tpu_device(topology)
+    params = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0)))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=spec), params)
+    tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=spec)
+    out = []
+    for impl in impls:
+
+        def loss(p, t, impl=impl):
+            logits = model.forward(cfg, p, t, dispatch_impl=impl).logits.astype(jnp.float32)
+            return jnp.mean(jax.nn.logsumexp(logits, -1))
+
+        compiled = jax.jit(jax.value_and_grad(loss)).trace(params, tokens).lower().compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        row = {"impl": impl, "device": kind, "layers": cfg.num_layers, "tokens": batch * length,
+               "tflops": float(cost["flops"]) / 1e12}  # fmt: skip
+        out.append(row)
+        print(json.dumps(row), flush=True)
     return out
 
 
@@ -538,7 +570,9 @@ def main(argv=None) -> dict:
             args.tpu, ["ragged", "capacity", "blocked", "megablox"],
             row_counts=[(8, False), (64, False), (4096, False), (4096, True)], **shapes,
         )  # fmt: skip
-        result = {"backend": "tpu (compiled here)", "topology": args.tpu, "gmm": rows}
+        one = dataclasses.replace(cfg, num_layers=1)  # its cost analysis counts a scan body once
+        result = {"backend": "tpu (compiled here)", "topology": args.tpu, "gmm": rows,
+                  "model": tpu_model_rows(args.tpu, one, ["ragged", "megablox"])}  # fmt: skip
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(result, indent=1, default=str))
         return result
