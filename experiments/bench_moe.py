@@ -163,13 +163,18 @@ def loop_kernels(hlo: str) -> dict:
     return {"per_iteration": max(per), "opcodes": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
 
 
+def _flops(compiled) -> float:
+    """The compiler's FLOP count of a compiled function (`cost_analysis`), NaN if it has none."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float((cost or {}).get("flops", float("nan")))
+
+
 def hlo_summary(compiled, useful_flops: float) -> dict:
     """What the compiler made of a function: its FLOPs against the useful ones, grouped-GEMM ops
     left, dots and GEMM custom calls (with their output shapes)."""
     text = compiled.as_text()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops = float((cost or {}).get("flops", float("nan")))
+    flops = _flops(compiled)
     comps, _ = computations(text)
     lines = [(op, line) for comp in comps.values() for op, line in comp]
     targets = [
@@ -191,7 +196,7 @@ def _tpu_device(topology: str):
     replicated sharding on it."""
     from jax.experimental import topologies
 
-    gen, shape = topology.split(":")
+    shape = topology.split(":")[1]
     bounds = tuple(int(n) for n in shape.split("x")) + (1,) * (3 - len(shape.split("x")))
     topo = topologies.get_topology_desc(
         platform="tpu", topology_name=topology, chip_config_name="default",
@@ -200,6 +205,12 @@ def _tpu_device(topology: str):
     one = jax.sharding.Mesh(topo.devices[:1], ("x",))
     spec = jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec())
     return topo.devices[0].device_kind, spec
+
+
+def _as_tpu():
+    """Traces as on a TPU: the Pallas kernels lowered for Mosaic TPU, not interpreted (they
+    choose by `jax.default_backend()`, which is this host's)."""
+    return mock.patch.object(jax, "default_backend", lambda: "tpu")
 
 
 def tpu_hlo_rows(topology: str, impls, *, d, f, experts, top_k, dtype, row_counts) -> list:
@@ -215,14 +226,13 @@ def tpu_hlo_rows(topology: str, impls, *, d, f, experts, top_k, dtype, row_count
     out = []
     for tokens, backward in row_counts:
         rows = tokens * top_k
-        useful = 2.0 * rows * d * f * 3 * (3 if backward else 1)
+        useful = _useful_flops(rows, d, f, backward)
         for impl in impls:
             row = {"impl": impl, "tokens": tokens, "rows": rows, "backward": backward,
                    "device": kind}  # fmt: skip
-            ffn = ffn_of(impl)
-            fn = jax.jit(jax.grad(_loss(ffn), argnums=(0, 2, 3, 4)) if backward else ffn)
+            fn = _experts_fn(impl, backward)
             try:
-                with mock.patch.object(jax, "default_backend", lambda: "tpu"):  # no interpret
+                with _as_tpu():
                     traced = fn.trace(arg((rows, d), dtype), arg((experts,), jnp.int32), *weights)
                 row.update(hlo_summary(traced.lower().compile(), useful))
             except Exception as err:  # as gmm_rows: say why, go on
@@ -246,11 +256,10 @@ def tpu_model_rows(topology: str, cfg, impls, *, batch: int = 8, length: int = 5
             logits = model.forward(cfg, p, t, dispatch_impl=impl).logits.astype(jnp.float32)
             return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-        compiled = jax.jit(jax.value_and_grad(loss)).trace(params, tokens).lower().compile()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        with _as_tpu():
+            traced = jax.jit(jax.value_and_grad(loss)).trace(params, tokens)
         row = {"impl": impl, "device": kind, "layers": cfg.num_layers, "tokens": batch * length,
-               "tflops": float(cost["flops"]) / 1e12}  # fmt: skip
+               "tflops": _flops(traced.lower().compile()) / 1e12}  # fmt: skip
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
@@ -299,24 +308,35 @@ def _loss(ffn):
     return lambda xs, gs, *w: jnp.sum(ffn(xs, gs, *w).astype(jnp.float32) ** 2)
 
 
+def _experts_fn(impl: str, backward: bool):
+    """The experts' forward, or the gradients of `_loss` in xs and the three weights, jitted."""
+    ffn = ffn_of(impl)
+    return jax.jit(jax.grad(_loss(ffn), argnums=(0, 2, 3, 4)) if backward else ffn)
+
+
+def _useful_flops(rows: int, d: int, f: int, backward: bool) -> float:
+    """The SwiGLU experts' FLOPs on their own rows: 3 matmuls, 3x that with the backward."""
+    return 2.0 * rows * d * f * 3 * (3 if backward else 1)
+
+
 def gmm_rows(impls, *, d, f, experts, top_k, dtype, row_counts, peak_gbs, timed=True):
     """Per (impl, tokens): HLO summary, error against `ragged`, time, useful TFLOP/s, GB/s."""
     weights = expert_weights(jax.random.key(1), d=d, f=f, experts=experts, dtype=dtype)
-    reference = jax.jit(ffn_of("ragged"))
-    ref_grads = jax.jit(jax.grad(_loss(ffn_of("ragged")), argnums=(0, 2, 3, 4)))
+    reference = _experts_fn("ragged", backward=False)
+    ref_grads = _experts_fn("ragged", backward=True)
     out = []
     for tokens, backward in row_counts:
         xs, gs, touched = routed_rows(
             jax.random.key(tokens), tokens=tokens, d=d, experts=experts, top_k=top_k, dtype=dtype
         )  # fmt: skip
         rows = xs.shape[0]
-        useful = 2.0 * rows * d * f * 3 * (3 if backward else 1)
+        useful = _useful_flops(rows, d, f, backward)
         ref = np.asarray(reference(xs, gs, *weights), np.float32)
         for impl in impls:
             row = {"impl": impl, "tokens": tokens, "rows": rows, "backward": backward}
             try:
                 ffn = ffn_of(impl)
-                fn = jax.jit(jax.grad(_loss(ffn), argnums=(0, 2, 3, 4)) if backward else ffn)
+                fn = _experts_fn(impl, backward)
                 row.update(hlo_summary(fn.lower(xs, gs, *weights).compile(), useful))
                 y = np.asarray(jax.jit(ffn)(xs, gs, *weights), np.float32)
                 row["max_rel_err"] = _rel_err(y, ref)
