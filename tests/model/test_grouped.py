@@ -3,6 +3,7 @@ kernel in Pallas' interpret mode here and compiled on a GPU; the Mosaic GPU kern
 GPU only: those tests exist only there (experiments/gpu_check.sh runs this file on a lent GPU)."""
 
 import functools
+import re
 from unittest import mock
 
 import jax
@@ -159,15 +160,24 @@ def test_megablox_kernels_value_and_gradients_equal_the_group_loop(groups):
 
 
 def test_megablox_kernels_lower_for_tpu_without_a_tpu():
-    """gmm and its VJP go through Pallas' Mosaic TPU lowering here (what a TPU compiles) at the
-    bench model's widths in bf16: three kernels (forward, dx, the tgmm for dw), no dense dot."""
+    """`moe.expert_ffn(impl="megablox")` and its VJP go through Pallas' Mosaic TPU lowering here
+    (what a TPU compiles) at the bench model's widths in bf16: per matmul of the SwiGLU three
+    kernels (gmm forward and dx, tgmm dw; the kernel functions, called once each, are shared
+    between calls of the same shape), and no dense dot."""
     x, sizes = jnp.zeros((8192, 2048), jnp.bfloat16), jnp.zeros((16,), jnp.int32)
-    w = jnp.zeros((16, 2048, 1408), jnp.bfloat16)
-    loss = lambda x, w: jnp.sum(grouped.gmm(x, w, sizes, "megablox").astype(jnp.float32) ** 2)  # noqa: E731
+    w_in = jnp.zeros((16, 2048, 1408), jnp.bfloat16)
+    w_out = jnp.zeros((16, 1408, 2048), jnp.bfloat16)
+
+    def loss(x, *w):
+        y = moe.expert_ffn(x, sizes, *w, impl="megablox")
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
     with mock.patch.object(jax, "default_backend", lambda: "tpu"):  # compiled, not interpreted
-        text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(lowering_platforms=("tpu",))
-    text = text.as_text()
-    assert text.count("custom_call @tpu_custom_call") == 3
+        lowered = jax.jit(jax.grad(loss, (0, 1, 2, 3))).trace(x, w_in, w_in, w_out)
+    text = lowered.lower(lowering_platforms=("tpu",)).as_text()
+    calls = re.findall(r"call @(t?gmm)(?:_\d+)?\(", text)
+    assert (calls.count("gmm"), calls.count("tgmm")) == (6, 3)
+    assert "custom_call @tpu_custom_call" in text
     assert "dot_general" not in text
 
 
