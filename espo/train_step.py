@@ -26,8 +26,10 @@ Which entropy each consumer uses (issue 7 #10) is `EntropyConfig`:
   * RL-ZVP (arXiv 2509.21880 §3: H of pi_theta, detached): "current" (default) = the policy
     being optimised, from the same forward as the training log-probs (`token_logps` in the loss;
     pass them to `espo.advantages.token_advantages`), or "old" / "sampler" as above.
-Memory: the [B, T, V] log-softmax is materialised once per forward; chunk over T for long
-sequences with a real vocabulary (not done here).
+Memory: the head's float32 logits exist `model.logits_chunk` tokens at a time
+(`espo.model.head`), recomputed in the backward; attention is blocked from two key blocks up
+(`espo.model.attention`); `model.remat` rematerialises each layer: nothing of size T x V or
+T x T is whole in memory on long rows.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from espo import advantages, batching, correction, errors, losses, packing, types
 from espo.model import config as config_lib
-from espo.model import transformer
+from espo.model import head, transformer
 
 RoutingMode = config_lib.RoutingMode
 ESPO_ENTROPY_SOURCES = ("old", "sampler")
@@ -122,13 +124,19 @@ def token_logps(
         routing=routing,
         routing_mode=routing_mode,
         segment_ids=segment_ids,
+        return_logits=False,
         **forward_options,
     )
     scale = 1.0 if temperature == 0 else 1.0 / temperature
-    logp = jax.nn.log_softmax(out.logits[:, :-1].astype(jnp.float32) * scale, axis=-1)  # [B,T-1,V]
-    taken = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
-    probs = jnp.exp(logp)  # [B, T-1, V]
-    entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)  # [B, T-1]
+    (B, T), D = tokens.shape, model_cfg.d_model
+    taken, entropy = head.taken_logps(
+        model_cfg,
+        params,
+        out.hidden[:, :-1].reshape(B * (T - 1), D),
+        tokens[:, 1:].reshape(-1),
+        scale=scale,
+    )  # [B * (T - 1)] each: the logits in chunks of tokens, never [B, T, V] at once
+    taken, entropy = taken.reshape(B, T - 1), entropy.reshape(B, T - 1)
     mask = jnp.asarray(attention_mask, bool)
     real = mask[:, 1:] & mask[:, :-1]  # [B, T-1] token t and its context's last token are real
     if segment_ids is not None:

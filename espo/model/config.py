@@ -17,6 +17,10 @@ from espo import errors
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
+ATTENTION_IMPLS = ("auto", "dense", "blocked", "triton", "splash")  # espo.model.attention
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits of one chunk when logits_chunk is 0 (256 MiB)
+
 DTypeLike = Any  # a dtype name ("bfloat16"), a scalar type (jnp.bfloat16, np.float32), a np.dtype
 
 
@@ -84,6 +88,19 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of activations and matmuls
     aux_loss_coef: float = 0.0  # weight of the load-balancing loss in `aux.total`
     z_loss_coef: float = 0.0  # weight of the router z-loss in `aux.total`
+    # How long sequences are computed (no effect on values beyond float rounding):
+    # attention over a whole sequence (espo.model.attention): "auto" (by backend and length),
+    # "dense" (the [B, N, T, G, S] logits at once), "blocked" (flash in XLA, memory linear in
+    # T), "triton" (JAX's Pallas GPU flash kernel) or "splash" (JAX's TPU splash attention)
+    attention_impl: str = "auto"
+    # rematerialisation of each layer in the backward (`REMAT_POLICIES`): "none" keeps every
+    # layer's activations, "full" only each layer's input, "dots_saveable" /
+    # "dots_with_no_batch_dims_saveable" also the matmul outputs jax.checkpoint_policies names
+    remat: str = "none"
+    # tokens per chunk of the head's log-probs and entropies (`train_step.token_logps`): the
+    # [tokens, V] float32 logits exist one chunk at a time; 0: as many as keep one chunk's
+    # logits at LOGITS_CHUNK_ELEMENTS
+    logits_chunk: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
@@ -143,6 +160,19 @@ class ModelConfig:
             object.__setattr__(
                 self, name, dtype_name(getattr(self, name), field=f"ModelConfig.{name}")
             )
+        errors.require(
+            self,
+            self.attention_impl in ATTENTION_IMPLS,
+            "attention_impl",
+            f"one of {ATTENTION_IMPLS}",
+        )
+        errors.require(self, self.remat in REMAT_POLICIES, "remat", f"one of {REMAT_POLICIES}")
+        errors.require(
+            self,
+            isinstance(self.logits_chunk, int) and self.logits_chunk >= 0,
+            "logits_chunk",
+            ">= 0 (0: sized from the vocabulary)",
+        )
         errors.require(self, self.aux_loss_coef >= 0, "aux_loss_coef", ">= 0")
         errors.require(self, self.z_loss_coef >= 0, "z_loss_coef", ">= 0")
 
@@ -176,6 +206,11 @@ class ModelConfig:
             else:
                 runs.append((kind, i, 1))
         return tuple(runs)
+
+    @property
+    def logits_chunk_tokens(self) -> int:
+        """Tokens per chunk of the head's log-probs (`logits_chunk`, or sized from V)."""
+        return self.logits_chunk or max(1, LOGITS_CHUNK_ELEMENTS // self.vocab_size)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -19,12 +19,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from espo import quant
+from espo.model import attention, gpu_attention
 from espo.model import config as config_lib
-from espo.model import gpu_attention
 
 # Finite mask value: a query row with no visible key (a padding query) gets a uniform, finite
 # distribution instead of NaN. The GPU decode kernel masks with the same value.
 _MASK_VALUE = gpu_attention.MASK_VALUE
+attention_mask = attention.attention_mask  # visibility from positions (espo.model.attention)
 
 
 @flax.struct.dataclass
@@ -100,30 +101,6 @@ def apply_rope(
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attention_mask(
-    *,
-    q_positions: Int[Array, "B T"],
-    kv_positions: Int[Array, "B S"],
-    sliding_window: int | None,
-    q_segments: Int[Array, "B T"] | None = None,
-    kv_segments: Int[Array, "B S"] | None = None,
-) -> Bool[Array, "B T S"]:
-    """Visibility of each key slot to each query: real, causal, within the window, and (packed
-    rows, `q_segments` / `kv_segments` given) in the query's own segment: block-diagonal.
-
-    Positions restart in every segment, so "causal by position" is causal only within one
-    segment; the segment test is what keeps a sequence from reading its row neighbours.
-    """
-    q = q_positions[:, :, None]  # [B, T, 1]
-    k = kv_positions[:, None, :]  # [B, 1, S]
-    visible = (k >= 0) & (k <= q)
-    if sliding_window is not None:
-        visible &= q - k < sliding_window
-    if q_segments is not None:
-        visible &= q_segments[:, :, None] == kv_segments[:, None, :]  # [B, T, S]
-    return visible
-
-
 def fuse_qkv(attn: dict) -> dict:
     """One layer's attention params with q/k/v as one `qkv_proj` [D, H + 2N, Dh] (heads
     concatenated), which `Attention` multiplies in one matmul: one launch and one read of the
@@ -165,11 +142,14 @@ class Attention(nn.Module):
         x: Float[Array, "B T D"],
         *,
         positions: Int[Array, "B T"],
-        mask: Bool[Array, "B T S"],
+        kv_positions: Int[Array, "B S"],
+        segment_ids: Int[Array, "B T"] | None,
         kv: tuple[Array, Array] | None,
         write_index: Int[Array, " "] | None,
     ) -> tuple[Float[Array, "B T D"], tuple[Array, Array] | None]:
-        """kv: this layer's cache (k, v) [B, N, S, Dh], written in place at write_index."""
+        """kv: this layer's cache (k, v) [B, N, S, Dh], written in place at write_index;
+        kv_positions: the position of every key slot (-1: empty or padding), from which
+        `espo.model.attention` derives visibility; segment_ids: packed rows (no cache)."""
         cfg = self.cfg
         D, H, N, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pd, dt = cfg.jnp_param_dtype, cfg.jnp_dtype
@@ -200,7 +180,6 @@ class Attention(nn.Module):
         # Dots with (B, N) as leading batch dims and the cache in [B, N, S, Dh]: XLA runs them
         # without transposing the cache (3x faster decode on CPU than an einsum over T, G).
         q = q.reshape(B, T, N, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, N, T * G, Dh)
-        batch_dims = ((0, 1), (0, 1))
         if kv is None:
             keys, values, new_kv = k, v, None
         else:
@@ -210,15 +189,20 @@ class Attention(nn.Module):
             cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
             new_kv = keys, values = cache_k, cache_v
         if kv is not None and blocked_decode(T, keys.shape[2]):
+            mask = attention_mask(
+                q_positions=positions, kv_positions=kv_positions, sliding_window=cfg.sliding_window
+            )  # [B, 1, S]: one token a row
             out = decode_attention(
                 q, *new_kv, mask, filled=write_index + T, dtype=dt
             )  # [B, N, T * G, Dh]
         else:
-            logits = jax.lax.dot_general(q, keys.astype(dt), (((3,), (3,)), batch_dims))
-            logits = logits.astype(jnp.float32).reshape(B, N, T, G, -1) * (Dh**-0.5)
-            logits = jnp.where(mask[:, None, :, None, :], logits, _MASK_VALUE)  # [B,N,T,G,S]
-            probs = jax.nn.softmax(logits, axis=-1).astype(dt).reshape(B, N, T * G, -1)
-            out = jax.lax.dot_general(probs, values.astype(dt), (((3,), (2,)), batch_dims))
+            out = attention.attend(
+                q, keys, values,
+                q_positions=positions, kv_positions=kv_positions,
+                q_segments=segment_ids, kv_segments=segment_ids,
+                sliding_window=cfg.sliding_window, dtype=dt, impl=cfg.attention_impl,
+                own_keys=kv is None,
+            )  # fmt: skip  # [B, N, T * G, Dh]
         out = out.reshape(B, N, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
         return quant.project("bthk,hkd->btd", out, wo, dt), new_kv  # [B, T, D]
 

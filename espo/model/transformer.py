@@ -47,7 +47,7 @@ class ModelAux:
 
 @flax.struct.dataclass
 class ModelOutput:
-    logits: Float[Array, "B T V"]  # float32
+    logits: Float[Array, "B T V"] | None  # float32; None when forward(return_logits=False)
     cache: layers.KVCache | None
     router: types.RouterTrace
     aux: ModelAux
@@ -96,6 +96,9 @@ def stack_layers(cfg: config_lib.ModelConfig, params: dict) -> dict:
     return out
 
 
+_PER_LAYER_CTX = ("positions", "kv_positions", "segment_ids")
+
+
 class Block(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp_or_moe(norm(x))."""
 
@@ -113,12 +116,14 @@ class Block(nn.Module):
         cfg = self.cfg
         x, kv = carry
         layer = layer_in["layer"]
+        ctx = ctx | layer_in.get("ctx", {})  # a scan's per-layer copies (Transformer)
         own = kv if kv is None or layer is None else tuple(c[layer] for c in kv)
         h = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="input_norm")(x)
         a, new_kv = layers.Attention(cfg, name="attn")(
             h,
             positions=ctx["positions"],
-            mask=ctx["mask"],
+            kv_positions=ctx["kv_positions"],
+            segment_ids=ctx["segment_ids"],
             kv=own,
             write_index=ctx["write_index"],
         )
@@ -139,12 +144,26 @@ class Block(nn.Module):
         return (x + m, new_kv), extras
 
 
+def remat_block(cfg: config_lib.ModelConfig, *, scanned: bool):
+    """`Block`, rematerialised in the backward as `cfg.remat` says: "none" keeps every
+    intermediate of every layer for the backward; "full" keeps each layer's input and recomputes
+    the rest of the layer; "dots_saveable" / "dots_with_no_batch_dims_saveable" also keep what
+    that `jax.checkpoint_policies` policy saves. One setting for the scanned and the unrolled
+    layer loops (MaxText's `remat_policy`); a forward without a backward is unchanged."""
+    if cfg.remat == "none":
+        return Block
+    policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
+    # In a scan the loop already keeps XLA from merging the recomputation with the forward.
+    return nn.remat(Block, policy=policy, prevent_cse=not scanned)
+
+
 class Transformer(nn.Module):
     cfg: config_lib.ModelConfig
     mode: RoutingMode = RoutingMode.FREE
     impl: str = "auto"
     replay_missing: str = "error"
     unrolled: bool = False  # per-layer params (`unstack_layers`): a loop, not a scan
+    logits: bool = True  # False: no head (the caller projects the hidden state in chunks)
 
     @nn.compact
     def __call__(self, tokens, *, ctx, kv, routing):
@@ -170,13 +189,13 @@ class Transformer(nn.Module):
                 per_layer = []
                 for i in range(length):
                     layer_i = jax.tree.map(lambda a, i=i: a[i], layer_in) | {"layer": None}
-                    block = Block(*args, name=layer_name(r, i))
+                    block = remat_block(cfg, scanned=False)(*args, name=layer_name(r, i))
                     (x, run_kv[i]), extras = block((x, run_kv[i]), layer_i, ctx)
                     per_layer.append(extras)
                 extras = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
             else:  # the scan carries the run's buffers stacked [length, ...]
                 scanned = nn.scan(
-                    Block,
+                    remat_block(cfg, scanned=True),
                     variable_axes={"params": 0},
                     split_rngs={"params": True},
                     in_axes=(0, nn.broadcast),
@@ -184,6 +203,14 @@ class Transformer(nn.Module):
                 )
                 stacked = None if kv is None else tuple(map(jnp.stack, zip(*run_kv, strict=True)))
                 layer_in["layer"] = jnp.arange(length, dtype=jnp.int32)  # the index in the scan
+                # Attention's positions as per-layer inputs, not loop-invariant ones: a custom
+                # VJP closing over loop-invariant positions in a differentiated scan got its
+                # primal linearised (JAX 0.10: every tile of the blocked attention stacked,
+                # quadratic memory; tests/model/test_long_sequences.py).
+                layer_in["ctx"] = jax.tree.map(
+                    lambda a, n=length: jnp.broadcast_to(a, (n,) + a.shape),
+                    {k: ctx[k] for k in _PER_LAYER_CTX},
+                )
                 (x, stacked), extras = scanned(*args, name=run_name(r))((x, stacked), layer_in, ctx)
                 run_kv = (
                     run_kv if kv is None else list(zip(*map(jnp.unstack, stacked), strict=True))
@@ -193,15 +220,22 @@ class Transformer(nn.Module):
         new_kv = None if kv is None else tuple(zip(*new_kv, strict=True))  # (k, v): L buffers each
         x = layers.RMSNorm(cfg.rms_eps, cfg.jnp_param_dtype, name="final_norm")(x)
         hidden = x
-        if cfg.tie_embeddings:
-            logits = x @ embed.astype(dt).T  # [B, T, V]
-        else:
+        if not cfg.tie_embeddings:
             w_out = self.param(
                 "lm_head", layers._dense_init(cfg.d_model), (cfg.d_model, cfg.vocab_size),
                 cfg.jnp_param_dtype,
             )  # fmt: skip
-            logits = x @ w_out.astype(dt)  # [B, T, V]
+        if not self.logits:
+            return None, hidden, new_kv, run_extras
+        w = embed.T if cfg.tie_embeddings else w_out  # [D, V]
+        logits = x @ w.astype(dt)  # [B, T, V]
         return logits.astype(jnp.float32), hidden, new_kv, run_extras
+
+
+def head_weight(cfg: config_lib.ModelConfig, params: dict) -> Float[Array, "D V"]:
+    """The output projection [D, V] the forward's logits use (the embedding's transpose when
+    tied), in its stored dtype: logits = final-norm hidden @ head_weight in the compute dtype."""
+    return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
 
 
 def init(cfg: config_lib.ModelConfig, key: jax.Array) -> dict:
@@ -227,7 +261,8 @@ def segment_positions(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
 
 
 def _context(cfg, tokens, *, positions, attention_mask, cache, segment_ids):
-    """Positions, visibility mask and cache bookkeeping shared by every layer."""
+    """Positions, key positions, segments and cache bookkeeping shared by every layer (each
+    attention derives visibility from them, `espo.model.attention`: no [B, T, S] mask here)."""
     B, T = tokens.shape
     token_mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
     if segment_ids is not None and positions is None:  # (forward folded segment 0 into the mask)
@@ -243,16 +278,9 @@ def _context(cfg, tokens, *, positions, attention_mask, cache, segment_ids):
         kv_positions = jax.lax.dynamic_update_slice(
             cache.kv_positions, kv_positions, (0, cache.index)
         )  # [B, S]
-    mask = layers.attention_mask(
-        q_positions=positions,
-        kv_positions=kv_positions,
-        sliding_window=cfg.sliding_window,
-        q_segments=segment_ids,
-        kv_segments=segment_ids,
-    )  # [B, T, S]
     return {
         "positions": positions,
-        "mask": mask,
+        "segment_ids": segment_ids,
         "token_mask": token_mask.astype(jnp.float32),
         "write_index": write_index,
         "kv_positions": kv_positions,
@@ -273,6 +301,7 @@ def forward(
     dispatch_impl: str = "auto",
     return_hidden: bool = False,
     replay_missing: str = "error",
+    return_logits: bool = True,
 ) -> ModelOutput:
     """Logits, updated cache, router trace and router statistics for `tokens`.
 
@@ -294,6 +323,8 @@ def forward(
         "mosaic_gpu", "triton" or "megablox" (`moe.expert_ffn`).
       return_hidden: static; also return the final-norm hidden state [B, T, D] (for value or
         reward heads).
+      return_logits: static; False skips the head: `logits` is None (callers that project
+        `hidden` themselves, in chunks: `espo.train_step.token_logps`; implies return_hidden).
       replay_missing: static; what a replaying forward does with a real token (attention_mask
         True) whose recorded expert id in a MoE layer is -1 (never silent: the old behaviour, a
         zero gate and a zero MoE output for that token, moved logits by ~2 without a sign):
@@ -349,10 +380,9 @@ def forward(
         to_layer_major = functools.partial(jnp.swapaxes, axis1=0, axis2=1)  # [L, B, T, K]
         replay = (to_layer_major(routing.expert_ids), to_layer_major(routing.expert_weights))
     unrolled = run_name(0) not in params  # per-layer params (`unstack_layers`)
-    model = Transformer(cfg, routing_mode, dispatch_impl, replay_missing, unrolled)
-    layer_ctx = {k: v for k, v in ctx.items() if k != "kv_positions"}
+    model = Transformer(cfg, routing_mode, dispatch_impl, replay_missing, unrolled, return_logits)
     logits, hidden, new_kv, run_extras = model.apply(
-        {"params": params}, tokens, ctx=layer_ctx, kv=kv, routing=replay
+        {"params": params}, tokens, ctx=ctx, kv=kv, routing=replay
     )
     new_cache = None
     if cache is not None:
@@ -379,7 +409,7 @@ def forward(
         cache=new_cache,
         router=trace,
         aux=aux,
-        hidden=hidden.astype(jnp.float32) if return_hidden else None,
+        hidden=hidden.astype(jnp.float32) if return_hidden or not return_logits else None,
     )
 
 
