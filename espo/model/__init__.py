@@ -5,6 +5,8 @@ the module-level functions below take the config as their first argument. `__all
 public API and the modules that own it:
   * `config`: `ModelConfig` (frozen, validated) and `RoutingMode`;
   * `layers`: norms, rotary embeddings, GQA attention and the `KVCache` value;
+  * `attention`: attention over a whole sequence, dense or in blocks (flash; GPU / TPU kernels);
+  * `head`: the head's log-probs and entropies of given tokens, in chunks of tokens;
   * `moe`: the router, routing modes (free / replay), dropless and expert-parallel dispatch;
   * `transformer`: `init`, the pure `forward`, `ModelOutput` / `ModelAux`, replay checks;
   * `handle`: `Model`, the hashable handle;
@@ -44,6 +46,9 @@ from espo.model.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoin
 
 __all__ += ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint"]
 
-from espo.model import gpu_attention, grouped, moe  # noqa: E402  (already imported)
+from espo.model import attention, gpu_attention, grouped, head, moe  # noqa: E402
 
-__all__ += ["config", "gpu_attention", "grouped", "handle", "hf", "layers", "moe", "transformer"]
+__all__ += [
+    "attention", "config", "gpu_attention", "grouped", "handle", "head", "hf", "layers", "moe",
+    "transformer",
+]  # fmt: skip
