@@ -120,6 +120,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # activation / matmul dtype
     c.model.aux_loss_coef = 0.001  # load-balancing loss weight (added to the policy loss)
     c.model.z_loss_coef = 0.0  # router z-loss weight
+    # How long rows are computed (values unchanged; docs/performance.md "Long traces"):
+    c.model.attention_impl = "auto"  # auto | dense | blocked | triton | splash (model/attention.py)
+    c.model.remat = "none"  # none | full | dots_with_no_batch_dims_saveable: per-layer remat
+    c.model.logits_chunk = 0  # tokens per chunk of the head's log-probs; 0: sized from V
 
     # ---- data: espo.data.DataConfig (grain pipeline) ---------------------------------------------
     c.data = ml_collections.ConfigDict()

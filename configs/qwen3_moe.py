@@ -6,8 +6,11 @@ Run:  python experiments/run.py --config configs/qwen3_moe.py \\
 `model.hf_path` is a local checkpoint directory: config.json, *.safetensors, tokenizer.json,
 tokenizer_config.json (with the chat template) and generation_config.json (its stop ids). The
 answers are checked with math-verify (`espo.rewards.math.MathReward`). The trained policy is
-exported in Hugging Face format to WORKDIR/export at the end. Variants: "" and "tiny" (the tests
-run it on a random tiny checkpoint they build).
+exported in Hugging Face format to WORKDIR/export at the end. Variants: "", "long" (reasoning-
+length traces: prompts up to 2k tokens, up to 30,720 new ones, packed into 32k-token
+micro-batches, every layer rematerialised; the update's gradient of one 32k trace on the
+48-layer Qwen3-30B-A3B needs 12.6 GiB of temporaries on an H200, docs/performance.md) and "tiny"
+(the tests run it on a random tiny checkpoint they build).
 
 Expected result: none measured yet. No real checkpoint has been trained with this config (the
 documentation reports no such run); the tests check only that the tiny variant trains and exports.
@@ -28,11 +31,11 @@ _spec.loader.exec_module(default)
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     variant = arg or "default"
-    if variant not in ("default", "tiny"):
+    if variant not in ("default", "long", "tiny"):
         raise ValueError(
-            f"configs/qwen3_moe.py: variant {variant!r} is invalid; valid: default, tiny"
+            f"configs/qwen3_moe.py: variant {variant!r} is invalid; valid: default, long, tiny"
         )
-    c = default.get_config(variant)
+    c = default.get_config("default" if variant == "long" else variant)
     c.workdir = "runs/qwen3_moe"  # outputs of the run
     c.model.hf_path = "/path/to/qwen3_moe"  # the checkpoint directory (required)
     c.model.param_dtype = "bfloat16"  # as the checkpoints ship
@@ -54,6 +57,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         default.stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=2048),
     )
     c.eval.update(every_steps=50, num_prompts=128, samples=4)
+    if variant == "long":  # reasoning-length traces: prompts up to 2k, up to 30k new tokens
+        c.data.max_prompt_length = 2048  # tokens: a long problem statement fits
+        c.model.remat = "full"  # each layer's input kept, the rest recomputed (least memory)
+        c.train.packing = True  # lengths vary ~10x: pack them, micro-batches by token budget
+        c.train.max_tokens_per_micro_batch = 32768  # one whole trace (2048 + 30720) fits
+        c.curriculum.stages = (
+            default.stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=30720),
+        )
     if variant == "tiny":
         c.model.update(param_dtype="float32", dtype="float32")
         c.data.max_prompt_length = 48

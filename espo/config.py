@@ -103,6 +103,9 @@ class Settings:
     reward: model_rewards.RewardConfig
     mesh: sharding.MeshConfig
     distributed: sharding.DistributedConfig
+    # model.attention_impl / remat / logits_chunk (model_config.COMPUTE_FIELDS): how to compute
+    # the model, with hf_path too (the checkpoint gives the architecture, the run these)
+    compute: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> Settings:
@@ -146,13 +149,15 @@ class Settings:
         # One tie tolerance (zve.atol) for the optimiser stage and the advantage's zero-variance
         # groups; RL-ZVP is zve.mode's choice.
         zve_mode = zero_variance.ZVE_MODES.get(c.zve.mode, zero_variance.ZveMode())
+        built_model = build("model", model)  # validated with hf_path too: its compute fields
         adv = dict(c.advantage.to_dict(), rl_zvp=zve_mode.rl_zvp, atol=c.zve.atol)
         return cls(
             seed=c.seed,
             workdir=c.workdir,
             hf_path=hf_path,
             init_from=init_from,
-            model=None if hf_path else build("model", model),
+            model=None if hf_path else built_model,
+            compute={f: getattr(built_model, f) for f in model_config.COMPUTE_FIELDS},
             # The data's own seed (data.seed; the run's seed when the config has none): the
             # examples and the held-out set stay the same when the run's seed changes.
             data=build("data", {"seed": c.seed, **data}),

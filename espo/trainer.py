@@ -66,8 +66,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 def initial_model(s: config_lib.Settings, key) -> tuple[model_lib.ModelConfig, dict]:
     """The model a run of settings `s` starts from: a Hugging Face checkpoint (`model.hf_path`),
     an espo run's newest params (`model.init_from`), or a random init from `key`."""
-    if s.hf_path:
-        return model_lib.load_hf_checkpoint(s.hf_path)
+    if s.hf_path:  # the architecture from the checkpoint, how to compute it from the run
+        cfg, params = model_lib.load_hf_checkpoint(s.hf_path)
+        return cfg.replace(**s.compute), params
     if s.init_from:
         return s.model, params_of_run(s.init_from, s.model)
     return s.model, model_lib.init(s.model, key)

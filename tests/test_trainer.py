@@ -452,3 +452,24 @@ def test_the_training_stream_prefilters_on_the_pass_rate_history(mode, downweigh
     host = SimpleNamespace(history=history, curriculum=None, stream=_ListStream(exs))
     got = trainer._prompts(s, curr, host, lambda e: [0], stage_seed=0)
     assert [e.id for e in got] == want
+
+
+def test_a_checkpoints_model_is_computed_as_the_run_says(tmp_path):
+    """model.attention_impl / remat / logits_chunk reach a Hugging Face checkpoint's
+    architecture (they once stayed at the library's defaults with model.hf_path)."""
+    ckpt = testing.make_hf_checkpoint(tmp_path / "ckpt", vocab_size=320)
+    cfg = _config("qwen3_moe", model__hf_path=str(ckpt))
+    cfg.model.update(attention_impl="blocked", remat="full", logits_chunk=64)
+    model_cfg, _ = trainer.initial_model(config_lib.Settings.from_config(cfg), None)
+    assert (model_cfg.attention_impl, model_cfg.remat, model_cfg.logits_chunk) == (
+        "blocked", "full", 64
+    )  # fmt: skip
+    assert model_cfg.vocab_size == 320  # the architecture is still the checkpoint's
+
+
+def test_qwen3_moe_long_variant_holds_a_whole_reasoning_trace():
+    cfg = testing.load_script(ROOT / "configs" / "qwen3_moe.py").get_config("long")
+    s = config_lib.Settings.from_config(cfg)
+    longest = s.max_prompt_length + s.curriculum.max_new_tokens
+    assert longest == 32768 and s.train.packing
+    assert s.train.max_tokens_per_micro_batch >= longest and s.compute["remat"] == "full"

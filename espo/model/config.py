@@ -18,7 +18,12 @@ from espo import errors
 _DTYPES = ("float32", "bfloat16", "float16")
 
 ATTENTION_IMPLS = ("auto", "dense", "blocked", "triton", "splash")  # espo.model.attention
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+# (Not "dots_saveable": it also saves the blocked attention's per-tile logits, stacked over
+# every tile: quadratic in T. "dots_with_no_batch_dims_saveable" skips those batched dots.)
+REMAT_POLICIES = ("none", "full", "dots_with_no_batch_dims_saveable")
+# The fields that say how to compute, not what the model is: a run's config sets them on a
+# Hugging Face checkpoint's architecture too (espo.trainer.initial_model).
+COMPUTE_FIELDS = ("attention_impl", "remat", "logits_chunk")
 LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits of one chunk when logits_chunk is 0 (256 MiB)
 
 DTypeLike = Any  # a dtype name ("bfloat16"), a scalar type (jnp.bfloat16, np.float32), a np.dtype
@@ -94,8 +99,8 @@ class ModelConfig:
     # T), "triton" (JAX's Pallas GPU flash kernel) or "splash" (JAX's TPU splash attention)
     attention_impl: str = "auto"
     # rematerialisation of each layer in the backward (`REMAT_POLICIES`): "none" keeps every
-    # layer's activations, "full" only each layer's input, "dots_saveable" /
-    # "dots_with_no_batch_dims_saveable" also the matmul outputs jax.checkpoint_policies names
+    # layer's activations, "full" only each layer's input (the long-trace setting: least memory,
+    # bench_memory.py), "dots_with_no_batch_dims_saveable" also the unbatched matmul outputs
     remat: str = "none"
     # tokens per chunk of the head's log-probs and entropies (`train_step.token_logps`): the
     # [tokens, V] float32 logits exist one chunk at a time; 0: as many as keep one chunk's

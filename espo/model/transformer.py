@@ -147,8 +147,8 @@ class Block(nn.Module):
 def remat_block(cfg: config_lib.ModelConfig, *, scanned: bool):
     """`Block`, rematerialised in the backward as `cfg.remat` says: "none" keeps every
     intermediate of every layer for the backward; "full" keeps each layer's input and recomputes
-    the rest of the layer; "dots_saveable" / "dots_with_no_batch_dims_saveable" also keep what
-    that `jax.checkpoint_policies` policy saves. One setting for the scanned and the unrolled
+    the rest of the layer; "dots_with_no_batch_dims_saveable" also keeps what that
+    `jax.checkpoint_policies` policy saves. One setting for the scanned and the unrolled
     layer loops (MaxText's `remat_policy`); a forward without a backward is unchanged."""
     if cfg.remat == "none":
         return Block
@@ -203,10 +203,11 @@ class Transformer(nn.Module):
                 )
                 stacked = None if kv is None else tuple(map(jnp.stack, zip(*run_kv, strict=True)))
                 layer_in["layer"] = jnp.arange(length, dtype=jnp.int32)  # the index in the scan
-                # Attention's positions as per-layer inputs, not loop-invariant ones: a custom
-                # VJP closing over loop-invariant positions in a differentiated scan got its
-                # primal linearised (JAX 0.10: every tile of the blocked attention stacked,
-                # quadratic memory; tests/model/test_long_sequences.py).
+                # Attention's positions as per-layer inputs, not loop-invariant ones: JAX's
+                # partial evaluation of a differentiated scan hoists loop-invariant residuals out
+                # of the loop (`_scan_known_hoisting`), and took the blocked attention's
+                # position-only values (each tile's mask) out, stacked over every tile: memory
+                # quadratic in T (tests/model/test_long_sequences.py).
                 layer_in["ctx"] = jax.tree.map(
                     lambda a, n=length: jnp.broadcast_to(a, (n,) + a.shape),
                     {k: ctx[k] for k in _PER_LAYER_CTX},
