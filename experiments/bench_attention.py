@@ -21,16 +21,19 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from espo import train_step
-from espo.model import attention, transformer
-from espo.model.config import ModelConfig
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_moe  # noqa: E402
+
+from espo import train_step  # noqa: E402
+from espo.model import attention, transformer  # noqa: E402
+from espo.model.config import ModelConfig  # noqa: E402
 
 
 def _gib(n: float) -> float:
@@ -65,13 +68,8 @@ def _inputs(T: int, *, N=4, G=8, Dh=128, dtype=jnp.bfloat16, seed=0):
 
 
 def _timed(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of `reps` runs after a warm-up (bench_moe's timer)."""
+    return bench_moe._steady_ms(fn, args, reps) / 1e3
 
 
 def bench_attention(lengths, impls, *, reps: int) -> list[dict]:
