@@ -34,6 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from espo import errors
 from espo.model import config as config_lib
+from espo.model import gpu_attention
 
 IMPLS = config_lib.ATTENTION_IMPLS  # ("auto", "dense", "blocked", "triton", "splash")
 # "auto" takes the Triton kernel on a GPU: on an H200, bf16, value + gradient of one row with
@@ -42,8 +43,8 @@ GPU_KERNEL = True
 BLOCK_Q = 512  # query tokens per block (each holds G rows per kv head)
 BLOCK_K = 512  # key slots per block
 # Finite mask value of the dense form: a query with no visible key gets a uniform, finite
-# distribution instead of NaN. The GPU decode kernel masks with the same value.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# distribution instead of NaN (one definition: the GPU decode kernel's).
+MASK_VALUE = gpu_attention.MASK_VALUE
 
 
 def attention_mask(
