@@ -131,7 +131,7 @@ def largest_temps(dump_dir: str, n: int) -> list[dict]:
     slots, in_temp = {}, False
     for line in files[-1].read_text().splitlines() if files else ():
         if line.startswith("allocation "):
-            in_temp = "temp" in line
+            in_temp = "preallocated-temp" in line and "color" not in line  # the main one
         elif in_temp and (m := _VALUE.match(line)):
             _, size, offset, shape = m.groups()
             if "(" in shape:  # a tuple: pointers only
@@ -146,6 +146,34 @@ def largest_temps(dump_dir: str, n: int) -> list[dict]:
              shapes=", ".join(f"{c}x{sh}" if c > 1 else sh for sh, c in r["shapes"].items()))
         for r in top
     ]  # fmt: skip
+
+
+def allocation_sizes(dump_dir: str) -> dict:
+    """The gradient's allocations in XLA's buffer assignment (its dump), in GiB: temporaries
+    (the preallocated temp allocations), arguments (the entry parameters') and outputs (the
+    live-out ones, which also hold temporaries before the gradient is written: counted once,
+    as outputs). Their sum is what XLA:TPU checks against the chip's HBM (its refusal calls it
+    all "HLO temporaries"); `memory_analysis()` is not available when it refuses, and on a TPU
+    its temp_size differs from this sum's temporaries (it is printed beside them)."""
+    files = sorted(
+        pathlib.Path(dump_dir).glob("*jit_loss*after_optimizations-buffer-assignment.txt")
+    )
+    sizes = dict(temp_gib=0.0, args_gib=0.0, out_gib=0.0)
+    for line in files[-1].read_text().splitlines() if files else ():
+        if m := re.match(r"allocation \d+: size (\d+), (.*)$", line):
+            size, kind = int(m.group(1)) / GiB, m.group(2)
+            key = (
+                "temp_gib"
+                if "preallocated-temp" in kind
+                else "args_gib"
+                if "parameter" in kind
+                else "out_gib"
+                if "live-out" in kind
+                else None
+            )
+            if key:
+                sizes[key] += size
+    return sizes  # fmt: skip
 
 
 def _rss_watchdog(limit_gib: float) -> None:
@@ -163,10 +191,41 @@ def _rss_watchdog(limit_gib: float) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _on_topology_mesh(args, topology: str, sizes: str):
+    """`args` (params, tokens, mask, trace) as shape structs on the chips of a TPU `topology`
+    arranged as espo's mesh `sizes` ("data=1,fsdp=1,expert=4"): params sharded by
+    `sharding.RULES` (`param_shardings`), the rows along the batch axes; and the mesh as the
+    context mesh to trace under (`jax.set_mesh`: the MoE's expert-parallel shard_map)."""
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
+
+    from espo import sharding
+
+    shape = topology.split(":")[1]
+    bounds = tuple(int(n) for n in shape.split("x")) + (1,) * (3 - len(shape.split("x")))
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name=topology, chip_config_name="default",
+        chips_per_host_bounds=bounds, num_slices=1,
+    )  # fmt: skip
+    given = dict(kv.split("=") for kv in sizes.split(","))
+    dims = tuple(int(given.get(a, 1)) for a in sharding.AXES)
+    if int(np.prod(dims)) != len(topo.devices):
+        raise ValueError(f"mesh {sizes} is not the {len(topo.devices)} chips of {topology}")
+    auto = (jax.sharding.AxisType.Auto,) * len(dims)
+    mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(dims), sharding.AXES, axis_types=auto)
+    params, *rest = args
+    shard = lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)  # noqa: E731
+    params = jax.tree.map(shard, params, sharding.param_shardings(mesh, params))
+    rows = sharding.batch_sharding(mesh)
+    rest = jax.tree.map(lambda a: shard(a, rows), rest)
+    return [params, *rest], jax.set_mesh(mesh)
+
+
 def measure(point: dict) -> dict:
     """Lower and compile the gradient of one point; its memory analysis, times and peak RSS."""
     _rss_watchdog(point["max_rss_gb"])
-    dump = tempfile.mkdtemp(prefix="bench_memory_") if point["buffers"] else ""
+    dump = tempfile.mkdtemp(prefix="bench_memory_") if point["buffers"] or point.get("tpu") else ""
     if dump:  # XLA's buffer assignment of every compiled module, for largest_temps
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}"
     import jax
@@ -207,32 +266,47 @@ def measure(point: dict) -> dict:
         args.append(trace)
     else:
         args.append(None)
-    backend = contextlib.nullcontext()
+    backend, mesh = contextlib.nullcontext(), contextlib.nullcontext()
     if point.get("tpu"):  # deviceless AOT for a TPU topology, traced as on a TPU (bench_moe)
         sys.path.insert(0, str(ROOT / "experiments"))
         import bench_moe
 
         _, spec = bench_moe._tpu_device(point["tpu"])
-        on_tpu = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=spec)  # noqa: E731
-        args = jax.tree.map(on_tpu, args)
         backend = bench_moe._as_tpu()
+        if point.get("mesh"):  # the topology's chips as espo's mesh, params by sharding.RULES
+            args, mesh = _on_topology_mesh(args, point["tpu"], point["mesh"])
+        else:
+            on_tpu = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=spec)  # noqa: E731
+            args = jax.tree.map(on_tpu, args)
     t0 = time.perf_counter()
-    with backend:
-        lowered = jax.jit(jax.grad(loss)).trace(*args).lower()
+    with backend, mesh:
+        donate = (0,) if point.get("donate") else ()
+        lowered = jax.jit(jax.grad(loss), donate_argnums=donate).trace(*args).lower()
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+        mem = compiled.memory_analysis()
+        sizes = dict(
+            temp_gib=mem.temp_size_in_bytes / GiB,
+            args_gib=mem.argument_size_in_bytes / GiB,
+            out_gib=mem.output_size_in_bytes / GiB,
+            alias_gib=mem.alias_size_in_bytes / GiB,
+        )
+    except Exception as e:  # noqa: BLE001
+        if not (point.get("tpu") and "RESOURCE_EXHAUSTED" in str(e)):
+            raise
+        sizes = dict(refused=str(e).split("\n")[0][:200])  # the chip's HBM check
+    if point.get("tpu"):  # the sizes the chip's check adds up (allocation_sizes)
+        sizes.update(xla_temp_gib=sizes.get("temp_gib"), **allocation_sizes(dump))
+        sizes["total_gib"] = sizes["temp_gib"] + sizes["args_gib"] + sizes["out_gib"]
     t2 = time.perf_counter()
-    mem = compiled.memory_analysis()
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
     out = dict(
         espo=str(pathlib.Path(espo.__file__).parents[1]),
         config={
             k: getattr(cfg, k) for k in ("attention_impl", "remat", "logits_chunk") if k in fields
         },  # fmt: skip
-        temp_gib=mem.temp_size_in_bytes / GiB,
-        args_gib=mem.argument_size_in_bytes / GiB,
-        out_gib=mem.output_size_in_bytes / GiB,
-        alias_gib=mem.alias_size_in_bytes / GiB,
+        **sizes,
         params_gib=param_bytes / GiB,
         lower_s=t1 - t0,
         compile_s=t2 - t1,
@@ -295,6 +369,10 @@ def main(argv=None) -> None:
     p.add_argument(
         "--tpu", default="", help="compile for this TPU topology (v5p:2x2x1; libtpu on PYTHONPATH)"
     )
+    p.add_argument(
+        "--mesh", default="", help="with --tpu: its chips as this mesh (data=1,fsdp=1,expert=4)"
+    )
+    p.add_argument("--donate", action="store_true", help="the params' buffers donated")
     p.add_argument("--buffers", type=int, default=0, help="list N largest temporaries")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per point")
     p.add_argument("--max-rss-gb", type=float, default=16.0, help="stop a point past this RSS")
@@ -331,6 +409,7 @@ def main(argv=None) -> None:
                         model=model, length=T, rows=args.rows, replay=args.replay,
                         overrides={} if setting == "before" else parse_setting(setting),
                         buffers=args.buffers, max_rss_gb=args.max_rss_gb, tpu=args.tpu,
+                        mesh=args.mesh, donate=args.donate,
                         no_scan_hoisting=args.no_scan_hoisting,
                     )  # fmt: skip
                     r = run_point(point, tree, args.timeout)
@@ -346,7 +425,10 @@ def main(argv=None) -> None:
                     print(
                         f"| {tree_name} | {model} | {setting} | {T} | {r['temp_gib']:.3f} | "
                         f"{_fmt(growth, '.2f')} | {r['args_gib']:.3f} | {r['out_gib']:.3f} | "
-                        f"{r['lower_s']:.1f} | {r['compile_s']:.1f} | {r['peak_rss_gib']:.2f} |",
+                        f"{r['lower_s']:.1f} | {r['compile_s']:.1f} | {r['peak_rss_gib']:.2f} |"
+                        + (f" total {r['total_gib']:.2f}" if "total_gib" in r else "")
+                        + (f" (XLA temp {r['xla_temp_gib']:.2f})" if r.get("xla_temp_gib") else "")
+                        + (f" refused: {r['refused']}" if r.get("refused") else ""),
                         flush=True,
                     )
     if args.buffers:

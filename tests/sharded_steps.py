@@ -156,6 +156,47 @@ def check_expert_parallel_paths(mesh) -> None:
                 _check_buffer_sizes(eqns, mesh, M=M, E=E, K=K, F=F)
 
 
+def check_attention_kernels(mesh) -> None:
+    """`attention.attend` with a Pallas kernel ("triton", "splash"; interpret mode here) under
+    a context mesh: each device runs the kernel on its own rows (a shard_map over the batch
+    axes; XLA cannot partition a Pallas call); value and gradient equal the kernel on one
+    device. Rows the mesh does not split take the blocked form, equal to the dense one."""
+    from espo.model import attention
+
+    shards = sharding.batch_shards(mesh)
+    N, G, Dh, T = 2, 2, 8, attention.KERNEL_BLOCK + 1  # one past a kernel block
+    for impl in ("triton", "splash"):
+        for B, via in ((shards, impl), (shards // 2, "dense")):
+            k = jax.random.split(jax.random.key(5), 4)
+            q = jax.random.normal(k[0], (B, N, T * G, Dh))
+            kv = [jax.random.normal(k[i], (B, N, T, Dh)) for i in (1, 2)]
+            pos = jnp.broadcast_to(jnp.arange(T) - 3, (B, T))  # 3 padding slots on the left
+            pos = jnp.where(pos < 0, -1, pos)
+
+            def loss(q, kk, vv, pos, impl):
+                out = attention.attend(
+                    q, kk, vv, q_positions=pos, kv_positions=pos, impl=impl, own_keys=True
+                )
+                real = (pos >= 0)[:, None, :, None].repeat(G, 2).reshape(len(q), 1, T * G, 1)
+                return jnp.sum(jnp.where(real, jnp.sin(out), 0.0)), out
+
+            grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+            with jax.default_device(jax.devices()[0]):
+                want = jax.jit(grad, static_argnums=4)(q, *kv, pos, via)
+            with jax.set_mesh(mesh):
+                placed = (q, *kv, pos)
+                if B % shards == 0:
+                    placed = sharding.put_batch(placed, mesh)
+                got = jax.jit(grad, static_argnums=4)(*placed, impl)
+                jaxpr = str(jax.make_jaxpr(grad, static_argnums=4)(*placed, impl))
+            what = f"attention {impl} under mesh {dict(mesh.shape)}, {B} rows"
+            assert ("shard_map" in jaxpr) == (B % shards == 0), what
+            (value, _), grads = got  # the outputs of padding queries differ: dense averages
+            chex.assert_trees_all_close(
+                (value, grads), (want[0][0], want[1]), atol=2e-5, rtol=2e-5, custom_message=what
+            )
+
+
 def _most_sent(ids, mesh, *, E) -> int:
     """The most (token, expert) assignments one batch shard of `ids` sends one expert shard."""
     n = mesh.shape["expert"]
@@ -222,6 +263,7 @@ def main(meshes=MESHES) -> int:
         np.testing.assert_array_equal(got["free"][1], single["free"][1])  # expert ids
         if expert > 1:
             check_expert_parallel_paths(mesh)
+        check_attention_kernels(mesh)
         print(f"mesh {(data, fsdp, expert)}: equal to one device")
     return 0
 

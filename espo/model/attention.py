@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from espo import errors
+from espo import errors, sharding
 from espo.model import config as config_lib
 from espo.model import gpu_attention
 
@@ -109,6 +109,9 @@ def attend(
     cache) with positions rising by one per token within a segment, as every espo forward
     builds them; only then does a backend's kernel run ("triton", "splash": masks causal by
     index and by segment), and a forward over a cache takes "dense" or "blocked" instead.
+    Under a context mesh (`jax.set_mesh`) a kernel runs in a shard_map over the batch axes,
+    each device on its own rows (XLA does not partition a Pallas call); rows the mesh does
+    not split evenly take "blocked", which XLA partitions.
     """
     if impl not in IMPLS:
         raise errors.InvalidValue("", "attention_impl", impl, f"one of {IMPLS}")
@@ -118,10 +121,19 @@ def attend(
         impl = default_impl(k.shape[2], own_keys=own_keys, sliding_window=sliding_window)
     if impl in KERNELS and not own_keys:  # a cache's slots: the kernels' masks do not apply
         impl = default_impl(k.shape[2])
+    shards = _row_shards()
+    if impl in KERNELS and q.shape[0] % shards:  # rows a mesh cannot split: XLA partitions
+        impl = "blocked"
     if impl in KERNELS:
         real = kv_positions >= 0  # [B, T]: the kernels' segment 0 is padding
         segments = jnp.where(real, 1 if kv_segments is None else kv_segments, 0)
-        return KERNELS[impl](q, k, v, segments.astype(jnp.int32), window=sliding_window)
+        kernel = functools.partial(KERNELS[impl], window=sliding_window)
+        if shards > 1:  # a Pallas kernel is not partitioned by XLA: each device its own rows
+            rows = jax.sharding.PartitionSpec(sharding.BATCH_AXES)
+            kernel = jax.shard_map(
+                kernel, in_specs=(rows,) * 4, out_specs=rows, check_vma=False
+            )  # its pallas_call states no varying mesh axes of its output
+        return kernel(q, k, v, segments.astype(jnp.int32))
     if impl == "dense":
         mask = attention_mask(
             q_positions=q_positions,
@@ -145,6 +157,12 @@ def attend(
     return _flash(
         static, q, k, v, ints(q_positions), ints(kv_positions), ints(q_segments), ints(kv_segments)
     )
+
+
+def _row_shards() -> int:
+    """How many shards the rows split into over the context mesh (`jax.set_mesh`; 1 without)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else sharding.batch_shards(mesh)
 
 
 def _dense(q, k, v, mask, *, dtype):
