@@ -134,7 +134,7 @@ def largest_temps(dump_dir: str, n: int) -> list[dict]:
             in_temp = "preallocated-temp" in line and "color" not in line  # the main one
         elif in_temp and (m := _VALUE.match(line)):
             _, size, offset, shape = m.groups()
-            if "(" in shape:  # a tuple: pointers only
+            if shape.startswith("("):  # a tuple: pointers only
                 continue
             slot = slots.setdefault(int(offset), dict(size=0, shapes={}))
             slot["size"] = max(slot["size"], int(size))

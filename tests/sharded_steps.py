@@ -33,6 +33,7 @@ CFG = model_lib.ModelConfig(
     vocab_size=64, d_model=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
     num_experts=8, top_k=2, moe_ffn_dim=16, dense_layers=(0,), dense_ffn_dim=24,
     shared_expert_ffn_dim=8, qk_norm=True, aux_loss_coef=0.01, z_loss_coef=0.001,
+    moe_chunk=4,  # rows of 10 tokens: the MoE blocks dispatch 3 chunks of every row's tokens
 )  # fmt: skip
 N, TP, TG = 16, 4, 6
 TOL = dict(atol=1e-5, rtol=1e-5)

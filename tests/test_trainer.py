@@ -8,6 +8,7 @@ that differs. Timings and compile counts are the only metrics left out of the co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -16,14 +17,26 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo import batching, checkpoint, metrics, testing, trainer, zero_variance
+from espo import (
+    batching,
+    checkpoint,
+    metrics,
+    rollout,
+    testing,
+    train_step,
+    trainer,
+    zero_variance,
+)
 from espo import config as config_lib
 from espo.data import sources, tokenizer
+from espo.model import config as model_config
 from espo.testing import raises_invalid
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -455,15 +468,14 @@ def test_the_training_stream_prefilters_on_the_pass_rate_history(mode, downweigh
 
 
 def test_a_checkpoints_model_is_computed_as_the_run_says(tmp_path):
-    """model.attention_impl / remat / logits_chunk reach a Hugging Face checkpoint's
+    """model.attention_impl / remat / logits_chunk / moe_chunk reach a Hugging Face checkpoint's
     architecture (they once stayed at the library's defaults with model.hf_path)."""
     ckpt = testing.make_hf_checkpoint(tmp_path / "ckpt", vocab_size=320)
     cfg = _config("qwen3_moe", model__hf_path=str(ckpt))
-    cfg.model.update(attention_impl="blocked", remat="full", logits_chunk=64)
+    cfg.model.update(attention_impl="blocked", remat="full", logits_chunk=64, moe_chunk=32)
     model_cfg, _ = trainer.initial_model(config_lib.Settings.from_config(cfg), None)
-    assert (model_cfg.attention_impl, model_cfg.remat, model_cfg.logits_chunk) == (
-        "blocked", "full", 64
-    )  # fmt: skip
+    got = {f: getattr(model_cfg, f) for f in model_config.COMPUTE_FIELDS}
+    assert got == dict(attention_impl="blocked", remat="full", logits_chunk=64, moe_chunk=32)
     assert model_cfg.vocab_size == 320  # the architecture is still the checkpoint's
 
 
@@ -473,3 +485,98 @@ def test_qwen3_moe_long_variant_holds_a_whole_reasoning_trace():
     longest = s.max_prompt_length + s.curriculum.max_new_tokens
     assert longest == 32768 and s.train.packing
     assert s.train.max_tokens_per_micro_batch >= longest and s.compute["remat"] == "full"
+
+
+class _Built(Exception):
+    """Ends `trainer.train` once it has built its step config (nothing compiled yet)."""
+
+
+def _trainer_steps(tmp_path, monkeypatch, **overrides):
+    """The `train_step.StepConfig` and settings `trainer.train` builds for the tiny config with
+    `overrides` (grpo: the ratio metric is the token ratio; no warmup, so the first update
+    moves the policy), the run stopped there."""
+    built, real = {}, trainer.step_config
+
+    def spy(s, model_cfg, **kw):
+        built.update(sc=real(s, model_cfg, **kw), s=s)
+        raise _Built
+
+    monkeypatch.setattr(trainer, "step_config", spy)
+    defaults = dict(loss__name="grpo", optimizer__warmup_steps=0, optimizer__learning_rate=1e-2)
+    with pytest.raises(_Built):
+        trainer.train(_config(**(defaults | overrides)), str(tmp_path), progress=False)
+    return built["sc"], built["s"]
+
+
+def _ratio_means_of_one_step(sc, s):
+    """One step as the trainer runs it on a random 16-row batch of the run's model (groups of
+    4): `prepare`, then one epoch of the run's mini-batches, each a micro-batch. Per update:
+    (its loss/ratio_mean, the token mean of exp(logp - pi_old) over its loss tokens, pi_old
+    being the step's first policy, or the sampler's log-probs with train.old_logps="sampler")."""
+    sc = dataclasses.replace(sc, num_groups=4, micro_batch_size=s.train.mini_batch_size or 16)
+    batch, params = testing.random_train_batch(
+        sc.model, num_rows=16, prompt_length=4, generation_length=6
+    )
+    optimizer, _ = train_step.make_optimizer(total_steps=1, **dataclasses.asdict(s.optimizer))
+    state = train_step.TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+    )
+    batch, _ = jax.jit(lambda p, b: train_step.prepare(sc, p, None, b))(params, batch)
+    logps = jax.jit(lambda p, b: train_step.old_logps(sc.model, p, *b).logps)
+    update = jax.jit(lambda st, mini: train_step.train_step(sc, optimizer, st, mini))
+    out = []
+    for mini in batching.minibatches(
+        batch, mini_batch_size=sc.micro_batch_size, micro_batch_size=sc.micro_batch_size,
+        epochs=1, key=jax.random.key(0),
+    ):  # fmt: skip
+        rows = jax.tree.map(lambda a: a[0], mini)  # the one micro-batch
+        inputs = (rows.tokens, rows.attention_mask, rows.router)
+        pi_old = rows.sampler_logps if s.train.old_logps == "sampler" else logps(params, inputs)
+        ratio = np.exp(np.asarray(logps(state.params, inputs)) - np.asarray(pi_old))
+        want = ratio[np.asarray(rows.loss_mask)].mean()
+        state, m = update(state, mini)
+        out.append((float(m["loss/ratio_mean"]), float(want)))
+    return out
+
+
+def test_sampler_pi_old_with_one_update_a_step_keeps_the_sampler_logps(tmp_path, monkeypatch):
+    """train.old_logps="sampler" and one update over the whole batch: the update's ratio is
+    against the sampler's log-probs (here the policy's +- N(0, 0.1)), not 1 (the update's own
+    forward, which is pi_old only with train.old_logps="recompute")."""
+    sc, s = _trainer_steps(tmp_path, monkeypatch, train__old_logps="sampler")
+    assert s.train.batch_rows(8)[:2] == (16, 16)  # one update a step
+    ((got, want),) = _ratio_means_of_one_step(sc, s)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert abs(want - 1) > 1e-3
+
+
+def test_one_epoch_of_several_mini_batches_takes_pi_old_before_the_first_update(
+    tmp_path, monkeypatch
+):
+    """One epoch of two mini-batches: the second update's ratio is against the policy before
+    the first update (the step's pi_old), not 1 (its own forward: no clip would ever act)."""
+    sc, s = _trainer_steps(tmp_path, monkeypatch, train__mini_batch_size=8)
+    assert s.train.batch_rows(8)[:2] == (16, 8) and s.train.ppo_epochs == 1
+    (first, want_first), (second, want_second) = _ratio_means_of_one_step(sc, s)
+    np.testing.assert_allclose([first, second], [want_first, want_second], rtol=1e-5)
+    assert abs(want_first - 1) < 1e-5 < 1e-3 < abs(want_second - 1)
+
+
+def test_train_accuracy_counts_rewards_above_success_threshold_only():
+    """train/accuracy (what the curriculum's accuracy rule reads) counts the verifier rewards
+    > advantage.success_threshold of the rows whose reward call succeeded: a reward exactly at
+    it (a custom verifier's half credit at the default 0.5) is no success."""
+    s = config_lib.Settings.from_config(_config())
+    gen = trainer._Generator(
+        s=s, stage=s.curriculum.stages[0], handle=None, params=None, pool=None, host=None,
+        encode=None, stop=dict(stop_ids=(1,), pad_id=0), key=None, Tp=32, Tg=16,
+    )  # fmt: skip
+    rows = types.SimpleNamespace(
+        rewards=np.array([0.5, 1.0, 0.50001, 0.0, 1.0], np.float32),
+        reward_ok=np.array([True, True, True, True, False]),  # the last call failed
+        lengths=np.array([3, 4, 5, 6, 7]),
+    )
+    gen.parts.append((rollout.RolloutResult(rollout=rows, completions=(), metrics={}), np.zeros(5)))
+    got = gen.metrics(zero_variance.Groups.empty())
+    assert got["train/accuracy"] == 0.5  # 1.0 and 0.50001 of the 4 scored rows
+    assert got["train/reward_mean"] == pytest.approx(2.00001 / 4)

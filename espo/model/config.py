@@ -23,7 +23,7 @@ ATTENTION_IMPLS = ("auto", "dense", "blocked", "triton", "splash")  # espo.model
 REMAT_POLICIES = ("none", "full", "dots_with_no_batch_dims_saveable")
 # The fields that say how to compute, not what the model is: a run's config sets them on a
 # Hugging Face checkpoint's architecture too (espo.trainer.initial_model).
-COMPUTE_FIELDS = ("attention_impl", "remat", "logits_chunk")
+COMPUTE_FIELDS = ("attention_impl", "remat", "logits_chunk", "moe_chunk")
 LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits of one chunk when logits_chunk is 0 (256 MiB)
 
 DTypeLike = Any  # a dtype name ("bfloat16"), a scalar type (jnp.bfloat16, np.float32), a np.dtype
@@ -106,6 +106,10 @@ class ModelConfig:
     # [tokens, V] float32 logits exist one chunk at a time; 0: as many as keep one chunk's
     # logits at LOGITS_CHUNK_ELEMENTS
     logits_chunk: int = 0
+    # tokens of each row per chunk of the MoE blocks' dispatch (`moe.dispatch_in_chunks`): the
+    # per-(token, expert) buffers exist one chunk at a time, each recomputed in the backward;
+    # 0: the whole rows at once
+    moe_chunk: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
@@ -177,6 +181,12 @@ class ModelConfig:
             isinstance(self.logits_chunk, int) and self.logits_chunk >= 0,
             "logits_chunk",
             ">= 0 (0: sized from the vocabulary)",
+        )
+        errors.require(
+            self,
+            isinstance(self.moe_chunk, int) and self.moe_chunk >= 0,
+            "moe_chunk",
+            ">= 0 (0: whole rows)",
         )
         errors.require(self, self.aux_loss_coef >= 0, "aux_loss_coef", ">= 0")
         errors.require(self, self.z_loss_coef >= 0, "z_loss_coef", ">= 0")

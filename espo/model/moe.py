@@ -588,6 +588,48 @@ def expert_parallel_dispatch(
     return y, path
 
 
+def dispatch_in_chunks(
+    x: Float[Array, "B T D"],
+    ids: Int[Array, "B T K"],
+    weights: Float[Array, "B T K"],
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    chunk: int,
+    impl: str = "auto",
+) -> tuple[Float[Array, "B T D"], Int[Array, " 2"]]:
+    """`expert_parallel_dispatch` on `chunk` tokens of every row at a time (0, or rows no
+    longer than it: all at once). The rows are padded to whole chunks with unrecorded
+    assignments (-1: nothing) and each chunk's dispatch is recomputed in the backward
+    (`jax.checkpoint` in a `lax.map`): the per-(token, expert) buffers (1 GiB each at 32k tokens
+    x 8 experts x 2048 in bf16) exist one chunk at a time. A chunk takes `chunk` tokens of every
+    row, so rows sharded over a mesh stay put. The weights' gradient is summed over chunks in
+    their compute dtype. The path is all_gather's if any chunk took it."""
+    B, T, D = x.shape
+    if not chunk or chunk >= T:
+        y, path = expert_parallel_dispatch(
+            x.reshape(B * T, D), ids.reshape(B * T, -1), weights.reshape(B * T, -1),
+            w_gate, w_up, w_down, impl=impl,
+        )  # fmt: skip
+        return y.reshape(B, T, D), path
+    n = -(-T // chunk)
+
+    def chunks(a, fill):  # [B, T, .] -> [n, B, chunk, .]
+        a = jnp.pad(a, ((0, 0), (0, n * chunk - T), (0, 0)), constant_values=fill)
+        return a.reshape(B, n, chunk, a.shape[-1]).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(xs):
+        xc, ic, wc = (a.reshape(B * chunk, a.shape[-1]) for a in xs)
+        y, path = expert_parallel_dispatch(xc, ic, wc, w_gate, w_up, w_down, impl=impl)
+        return y.reshape(B, chunk, D), path
+
+    ys, paths = jax.lax.map(one, (chunks(x, 0), chunks(ids, -1), chunks(weights, 0)))
+    y = ys.swapaxes(0, 1).reshape(B, n * chunk, D)[:, :T]
+    return y, jnp.where(paths[:, 1].sum() > 0, _path(1), _path(0))
+
+
 def _path(i: int) -> Int[Array, " 2"]:
     return jnp.zeros((len(EP_PATHS),), jnp.int32).at[i].set(1)
 
@@ -729,16 +771,18 @@ class MoeBlock(nn.Module):
             replay_weights=flat(replay_weights),
             free_mask=unrecorded if self.replay_missing == "free" else None,
         )  # [M, K] each
-        out, ep_path = expert_parallel_dispatch(
-            xf,
-            ids,
-            weights.astype(dt),
+        out, ep_path = dispatch_in_chunks(
+            x,
+            ids.reshape(B, T, K),
+            weights.astype(dt).reshape(B, T, K),
             # w.astype(dt), or an FP8 weight's values and scales (quant.ScaledWeight)
             quant.compute_weight(w_gate, dt),
             quant.compute_weight(w_up, dt),
             quant.compute_weight(w_down, dt),
+            chunk=cfg.moe_chunk,
             impl=self.impl,
-        )  # [M, D]
+        )
+        out = out.reshape(B * T, D)  # [M, D]
         if cfg.shared_expert_ffn_dim:
             shared = layers.SwiGLU(cfg, cfg.shared_expert_ffn_dim, name="shared_expert")(xf)
             if cfg.shared_expert_gate:

@@ -20,6 +20,8 @@ from espo.testing import raises_invalid
         (dict(vocab_size=0), "vocab_size", ">= 1"),
         (dict(sliding_window=0), "sliding_window", "None or >= 1"),
         (dict(rms_eps=0.0), "rms_eps", "> 0"),
+        (dict(moe_chunk=-1), "moe_chunk", ">= 0"),
+        (dict(logits_chunk=2.5), "logits_chunk", ">= 0"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field, hint):

@@ -57,6 +57,14 @@ def test_remat_and_chunks_each_cut_memory(small_blocks):
     assert base < 0.5 * _temp_bytes(cfg.replace(logits_chunk=10**6), 1024)
 
 
+def test_moe_chunks_cut_memory():
+    """The MoE dispatch in chunks of 128 tokens: its per-(token, expert) buffers one chunk at a
+    time, forward and backward (measured: 21.8 MiB of temporaries against 132.0 whole)."""
+    cfg = ModelConfig.tiny(num_layers=1, vocab_size=64, top_k=8, num_experts=16, moe_ffn_dim=256)
+    cfg = cfg.replace(**LONG)
+    assert _temp_bytes(cfg.replace(moe_chunk=128), 2048) < 0.5 * _temp_bytes(cfg, 2048)
+
+
 def _batch(cfg, B=3, T=40, seed=0):
     tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, cfg.vocab_size)
     mask = np.ones((B, T), bool)
@@ -109,6 +117,8 @@ def _mixed_run(scanned: bool, **settings):
         (dict(remat="dots_with_no_batch_dims_saveable"), False),
         (dict(attention_impl="blocked", logits_chunk=16, remat="full"), True),
         (dict(attention_impl="blocked", logits_chunk=16, remat="full"), False),
+        (dict(moe_chunk=7), True),  # 40 tokens a row: 6 chunks, the last one padded
+        (dict(moe_chunk=39, remat="full"), False),  # one token in a second chunk
     ],
 )
 def test_long_settings_keep_values_and_gradients(settings, scanned):
@@ -130,7 +140,7 @@ def test_packed_rows_and_replay_with_long_settings():
     replay = types.RouterTrace(expert_ids=trace.expert_ids, expert_weights=trace.expert_weights)
     kw = dict(segment_ids=seg, routing=replay, routing_mode=RoutingMode.REPLAY_IDS)
     with mock.patch.multiple(attention, BLOCK_Q=8, BLOCK_K=8):
-        long = cfg.replace(attention_impl="blocked", remat="full", logits_chunk=9)
+        long = cfg.replace(attention_impl="blocked", remat="full", logits_chunk=9, moe_chunk=8)
         got = _logps_and_grad(long, params, tokens, mask, replay_missing="free", **kw)
         want = _logps_and_grad(
             cfg.replace(**REFERENCE), params, tokens, mask, replay_missing="free", **kw
