@@ -281,8 +281,22 @@ def paired_ci(data: Mapping[str, Mapping[str, list]], base: str, arm: str, colum
     seeds are above 0; "" when `arm` is `base` or either did not run."""
     if arm == base or base not in data or arm not in data:
         return ""
-    diff = [x - y for x, y in zip(data[base][column], data[arm][column], strict=True)]
-    return f"{ci(diff)} ({sum(d > 0 for d in diff)} / {len(diff)} seeds > 0)"
+    return paired_difference(data[base][column], data[arm][column])
+
+
+def paired_difference(xs: Sequence[float], ys: Sequence[float], digits: int = 3) -> str:
+    """`ci` of the per-seed differences xs[k] - ys[k] (the same seeds, paired) and how many of
+    them are above 0: 'm ± h [lo, hi] (n / N seeds > 0)'."""
+    diff = [x - y for x, y in zip(xs, ys, strict=True)]
+    return f"{ci(diff, digits)} ({sum(d > 0 for d in diff)} / {len(diff)} seeds > 0)"
+
+
+def binomial_half_width(p: float, n: int, confidence: float = 0.95) -> float:
+    """The half-width of the normal-approximation (Wald) interval of a share `p` measured on `n`
+    independent prompts: what one evaluation's prompt sample alone leaves uncertain."""
+    from scipy import stats
+
+    return float(stats.norm.ppf(0.5 + confidence / 2)) * math.sqrt(p * (1.0 - p) / n)
 
 
 def per_seed(runs: Sequence[list[dict]], fn: Callable[[list[dict]], float]) -> list[float]:
@@ -314,6 +328,54 @@ def testbed_columns(k: int, key: str = "eval/pass@1") -> dict[str, Callable]:
         "process fidelity end": final("eval/process_fidelity"),
         "right answer, wrong process end": final("eval/right_answer_wrong_process"),
     }
+
+
+# ---- the testbed's reference points ----------------------------------------------------------
+def eval_examples(
+    cfg: ml_collections.ConfigDict, *, split: str | None = None, num_prompts: int | None = None
+) -> list:
+    """The held-out examples a run of `cfg` evaluates, in its order, chosen as `espo.trainer`
+    chooses them: the first eval.num_prompts distinct held-out prompts (`sources.eval_subset`)
+    of eval.split that fit data.max_prompt_length tokens. `split` / `num_prompts` replace
+    eval.split / eval.num_prompts (the dev split the pilots tuned on). Generates the data, runs
+    nothing."""
+    from espo import config as config_lib
+    from espo.data import sources
+    from espo.data import tokenizer as tokenizer_lib
+
+    s = config_lib.Settings.from_config(cfg)
+    split = s.eval.split if split is None else split
+    tok = tokenizer_lib.load_tokenizer(s.hf_path)
+    _, held_out = sources.make_sources(s.data)
+    keep = lambda e: (
+        len(tok.encode_prompt(e.prompt)) <= s.max_prompt_length
+        and (s.data.eval_path or sources.eval_split_of(e.prompt) == split)
+    )
+    return sources.eval_subset(held_out, num_prompts or s.eval.num_prompts, keep=keep)
+
+
+def teacher_ceiling(examples: Sequence, *, flaw: str, error: float) -> dict[str, float]:
+    """The greedy pass@1 on `examples` of a model that has learnt the chains teacher exactly:
+    greedy decoding takes the teacher's most likely answer, so with the "final_sign" flaw at
+    error > 0.5 every negative answer loses its sign and the ceiling is the share of answers
+    >= 0 (error < 0.5 or flaw "none": every answer right). {"prompts", "negative", "ceiling"};
+    the "sign" flaw (several values can flip) and error 0.5 (a tie) raise."""
+    if flaw not in ("none", "final_sign") or (flaw == "final_sign" and error == 0.5):
+        raise ValueError(
+            f"teacher_ceiling: flaw={flaw!r}, error={error}; valid: flaw 'none', or "
+            "'final_sign' with error != 0.5"
+        )
+    negative = sum(int(e.answer) < 0 for e in examples)
+    wrong = negative if flaw == "final_sign" and error > 0.5 else 0
+    n = len(examples)
+    return {"prompts": n, "negative": negative, "ceiling": (n - wrong) / n if n else math.nan}
+
+
+def ceiling_of(cfg: ml_collections.ConfigDict, **kw) -> dict[str, float]:
+    """`teacher_ceiling` on the held-out prompts a run of `cfg` evaluates (`eval_examples`)."""
+    d = cfg.data
+    examples = eval_examples(cfg, **kw)
+    return teacher_ceiling(examples, flaw=d.teacher_flaw, error=d.teacher_error)
 
 
 # ---- stability: the stress rows' collapse and held-out area ----------------------------------
