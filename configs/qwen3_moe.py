@@ -8,8 +8,9 @@ tokenizer_config.json (with the chat template) and generation_config.json (its s
 answers are checked with math-verify (`espo.rewards.math.MathReward`). The trained policy is
 exported in Hugging Face format to WORKDIR/export at the end. Variants: "", "long" (reasoning-
 length traces: prompts up to 2k tokens, up to 30,720 new ones, packed into 32k-token
-micro-batches, every layer rematerialised; the update's gradient of one 32k trace on the
-48-layer Qwen3-30B-A3B needs 12.6 GiB of temporaries on an H200, docs/performance.md) and "tiny"
+micro-batches, every layer rematerialised, the MoE dispatch 4k tokens at a time; the update's
+gradient of one 32k trace on the 48-layer Qwen3-30B-A3B needs 12.6 GiB of temporaries on an H200
+without MoE chunks, 11.7 GiB compiled for a TPU v5p chip with them, docs/performance.md) and "tiny"
 (the tests run it on a random tiny checkpoint they build).
 
 Expected result: none measured yet. No real checkpoint has been trained with this config (the
@@ -60,6 +61,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     if variant == "long":  # reasoning-length traces: prompts up to 2k, up to 30k new tokens
         c.data.max_prompt_length = 2048  # tokens: a long problem statement fits
         c.model.remat = "full"  # each layer's input kept, the rest recomputed (least memory)
+        c.model.moe_chunk = 4096  # the MoE's (token, expert) buffers 4k tokens of a row at a time
         c.train.packing = True  # lengths vary ~10x: pack them, micro-batches by token budget
         c.train.max_tokens_per_micro_batch = 32768  # one whole trace (2048 + 30720) fits
         c.curriculum.stages = (

@@ -10,6 +10,13 @@
   PYTHONPATH=<libtpu dir> python experiments/bench_memory.py --tpu v5p:2x2x1 --models qwen3_30b
       # compiled for one v5p chip without a TPU (deviceless AOT; `pip install libtpu==0.0.42.1
       # --target <libtpu dir>`, as bench_moe.py --tpu): splash attention, megablox experts
+  PYTHONPATH=<libtpu dir> python experiments/bench_memory.py --tpu v5p:2x2x1 --mesh expert=4 \
+      --rows 4 --models qwen3_30b --lengths 32768 --settings long+moe_chunk=4096
+      # the topology's 4 chips as espo's mesh (params by sharding.RULES, a row per chip)
+
+For a TPU the sizes printed are the compiler's buffer assignment's (`allocation_sizes`: what
+its HBM check adds up, also when it refuses the program), "total" their sum and "XLA temp"
+`memory_analysis()`'s temp_size, which differs from it on a TPU.
 
 Program: `jax.jit(jax.grad(f))` with f(params) = `train_step.token_logps(cfg, params, tokens,
 attention_mask, routing=None).logps.sum()` (FREE routing; `--replay`: REPLAY_IDS with a
