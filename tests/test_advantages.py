@@ -717,6 +717,18 @@ def test_shaping_verifiable_and_threshold_inputs_of_compute():
     np.testing.assert_array_equal(out.zvp_sign, [-1, -1, 1, 1])
 
 
+def test_a_reward_exactly_at_success_threshold_is_not_correct():
+    """Correct means r > success_threshold (0.5: a half-credit reward is not a success): rft's
+    A is 0 at exactly 0.5 and 1 just above it; an RL-ZVP group whose mean is exactly 0.5 is
+    "wrong" (-1), one just above it "correct" (+1)."""
+    rft = advantages.AdvantageConfig(estimator="rft", success_threshold=0.5)
+    out = flat([0.5, 0.50001, 0.49999, 1.0], [0] * 4, 1, rft)
+    np.testing.assert_array_equal(out.sequence_advantages, [0, 1, 0, 1])
+    zvp = advantages.AdvantageConfig(rl_zvp=True, success_threshold=0.5)
+    out = flat([0.5, 0.5, 0.50001, 0.50001], [0, 0, 1, 1], 2, zvp)
+    np.testing.assert_array_equal(out.zvp_sign, [-1, -1, 1, 1])
+
+
 def test_float_group_ids_are_read_as_integers():
     out = advantages.compute(
         jnp.array([1.0, 0.0, 1.0, 1.0]), group_ids=np.array([0.0, 0.0, 1.0, 1.0]),

@@ -75,6 +75,15 @@ def test_accuracy_rule_waits_for_min_steps_and_caps_at_steps():
     assert [s.stage for s in _run(cur, [1.0, 1.0])[0]] == [0, 1]
 
 
+def test_accuracy_rule_advances_at_exactly_the_threshold():
+    """The EMA starts at the stage's first accuracy: 0.5 against accuracy_threshold 0.5 reaches
+    it (advance), 0.49999 does not."""
+    stage = curriculum.Stage(name="a", advance="accuracy", accuracy_threshold=0.5, min_steps=1)
+    cur = curriculum.Curriculum([stage, curriculum.Stage(name="b")])
+    assert [s.stage for s in _run(cur, [0.5])[0]] == [1]
+    assert [s.stage for s in _run(cur, [0.49999])[0]] == [0]
+
+
 def test_update_rejects_a_bad_accuracy():
     cur = curriculum.Curriculum([curriculum.Stage(name="a")])
     for bad in (float("nan"), -0.1, 1.5):

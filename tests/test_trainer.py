@@ -502,7 +502,7 @@ def _trainer_steps(tmp_path, monkeypatch, **overrides):
         raise _Built
 
     monkeypatch.setattr(trainer, "step_config", spy)
-    defaults = dict(loss__name="grpo", optimizer__warmup_steps=0, optimizer__learning_rate=1e-2)
+    defaults = dict(loss__name="grpo", optimizer__warmup_steps=0, optimizer__learning_rate=5e-2)
     with pytest.raises(_Built):
         trainer.train(_config(**(defaults | overrides)), str(tmp_path), progress=False)
     return built["sc"], built["s"]
@@ -539,6 +539,7 @@ def _ratio_means_of_one_step(sc, s):
     return out
 
 
+@pytest.mark.slow
 def test_sampler_pi_old_with_one_update_a_step_keeps_the_sampler_logps(tmp_path, monkeypatch):
     """train.old_logps="sampler" and one update over the whole batch: the update's ratio is
     against the sampler's log-probs (here the policy's +- N(0, 0.1)), not 1 (the update's own
@@ -550,6 +551,7 @@ def test_sampler_pi_old_with_one_update_a_step_keeps_the_sampler_logps(tmp_path,
     assert abs(want - 1) > 1e-3
 
 
+@pytest.mark.slow
 def test_one_epoch_of_several_mini_batches_takes_pi_old_before_the_first_update(
     tmp_path, monkeypatch
 ):

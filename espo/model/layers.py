@@ -260,7 +260,10 @@ def decode_attention(
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         rescale = jnp.exp(m - m_new)
-        pv = jax.lax.dot_general(p.astype(dtype), v.astype(dtype), (((3,), (2,)), batch_dims))
+        pv = jax.lax.dot_general(
+            p.astype(dtype), v.astype(dtype), (((3,), (2,)), batch_dims),
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip  # each block's product in float32, as the GPU kernel's
         acc = acc * rescale[..., None] + pv.astype(jnp.float32)
         return m_new, total * rescale + jnp.sum(p, axis=-1), acc
 

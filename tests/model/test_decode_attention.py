@@ -47,6 +47,74 @@ def test_blocks_of_the_filled_slots_equal_the_whole_buffer_softmax(block, filled
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _random_cache(seed, *, B, S, Dh, dtype=jnp.float32, q_scale=1.0):
+    """q [B, 2, 3, Dh] (2 kv heads, 3 query heads each), cache k / v [B, 2, S, Dh] in `dtype`."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = (q_scale * jax.random.normal(ks[0], (B, 2, 3, Dh))).astype(dtype)
+    cache_k, cache_v = (jax.random.normal(k, (B, 2, S, Dh)).astype(dtype) for k in ks[1:])
+    return q, cache_k, cache_v
+
+
+def _blocked(q, cache_k, cache_v, mask, *, filled, block, dtype):
+    """`layers.decode_attention` in blocks of `block` slots (eager: the block is read when
+    traced), mask [B, S]."""
+    with mock.patch.object(layers, "DECODE_BLOCK", block):
+        return layers.decode_attention(
+            q, cache_k, cache_v, jnp.asarray(mask)[:, None], filled=jnp.int32(filled),
+            dtype=dtype,
+        )  # fmt: skip
+
+
+def _kernel(q, cache_k, cache_v, mask, *, filled, dtype):
+    return gpu_attention.decode_attention(
+        q, cache_k, cache_v, jnp.asarray(mask)[:, None], filled=jnp.int32(filled), dtype=dtype,
+        interpret=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("filled", [7, 8, 9, 16, 17, 20])
+def test_blocks_one_short_of_at_and_one_past_a_block_boundary(filled):
+    """Blocks of 8 over S = 20 slots (no multiple of 8: the third block starts at 12, its
+    first 4 slots already counted): filled one short of a block, at it, one past it (the new
+    block holds one slot), at the buffer's end. Slots past `filled` hold NaN keys."""
+    S = 20
+    q, cache_k, cache_v = _random_cache(filled, B=2, S=S, Dh=4)
+    mask = (np.arange(S) < filled)[None].repeat(2, 0)
+    mask[1, 2] = False  # a hole
+    cache_k = cache_k.at[:, :, filled:].set(jnp.nan)
+    want = _softmax_attention(q, cache_k, cache_v, mask)
+    got = _blocked(q, cache_k, cache_v, mask, filled=filled, block=8, dtype=jnp.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _cancelling_cache(S, *, filled, block, dtype):
+    """Zero queries and keys (every visible slot weighs 1) over values 256 in slot 0, 2^-5 in
+    slots 1 .. block-1, -256 in slot `block` (the first of the second block): the output is
+    (block - 1) / 32 / filled, while a block sum kept in bf16 (256 + 7/32 -> 256) loses it."""
+    v = np.zeros((1, 1, S, 16), np.float32)
+    v[:, :, 0], v[:, :, 1:block], v[:, :, block] = 256.0, 2.0**-5, -256.0
+    zeros = jnp.zeros((1, 1, S, 16), dtype)
+    mask = (np.arange(S) < filled)[None]
+    want = np.full((1, 1, 1, 16), (block - 1) / 32 / filled)
+    return jnp.zeros((1, 1, 1, 16), dtype), zeros, jnp.asarray(v, dtype), mask, want
+
+
+def test_bf16_blocks_combine_in_float32():
+    """bf16 queries, keys and values: against the float64 softmax of the same values (within
+    bf16 rounding of the output), and values that cancel across two blocks exactly."""
+    S, block = 20, 8
+    q, cache_k, cache_v = _random_cache(3, B=2, S=S, Dh=16, dtype=jnp.bfloat16, q_scale=2.0)
+    for filled in (9, 17):
+        mask = (np.arange(S) < filled)[None].repeat(2, 0)
+        want = _softmax_attention(q, cache_k, cache_v, mask)
+        got = _blocked(q, cache_k, cache_v, mask, filled=filled, block=block, dtype=jnp.bfloat16)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-2, atol=1e-2)
+    *inputs, mask, want = _cancelling_cache(S, filled=9, block=block, dtype=jnp.bfloat16)
+    got = _blocked(*inputs, mask, filled=9, block=block, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(jnp.bfloat16))
+
+
 def test_blocked_decode_is_one_token_a_row_on_a_long_cpu_cache():
     with mock.patch.object(layers, "DECODE_BLOCK", 8):
         assert layers.blocked_decode(1, 16) and not layers.blocked_decode(1, 15)
@@ -81,6 +149,47 @@ def test_gpu_kernel_over_the_filled_slots_equals_the_whole_buffer_softmax(slots,
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("slots", "filled"), [(100, 63), (100, 64), (100, 65), (128, 65)])
+def test_gpu_kernel_one_short_of_at_and_one_past_a_block(slots, filled):
+    """The kernel's 64-slot blocks: filled one short of a block, at it, one past it (the second
+    block holds one slot; at S = 100 it starts at 36, its first 28 slots already counted); 3 kv
+    heads' worth of rows split over 16 programs each, one or two of them with a block."""
+    q, cache_k, cache_v = _random_cache(slots + filled, B=1, S=slots, Dh=16)
+    mask = (np.arange(slots) < filled)[None]
+    cache_k = cache_k.at[:, :, filled:].set(jnp.nan)
+    want = _softmax_attention(q, cache_k, cache_v, mask)
+    got = _kernel(q, cache_k, cache_v, mask, filled=filled, dtype=jnp.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_kernel_in_bf16_combines_its_programs_in_float32():
+    """bf16 inputs (S = 100, filled = 65: two programs with a block each): against the float64
+    softmax of the same values within bf16 rounding; values that cancel between the two
+    programs' blocks exactly (their partial sums combined in float32); and one key in each
+    program's block at scaled logits 256 and 257 (no bf16 number: each program's maximum and
+    normalizer kept in bf16 would weigh the two keys equally). Pallas' interpret mode computes
+    a bf16 dot without rounding its result: logits left in bf16 inside the kernel pass here."""
+    S, filled = 100, 65
+    q, cache_k, cache_v = _random_cache(5, B=1, S=S, Dh=16, dtype=jnp.bfloat16, q_scale=2.0)
+    mask = (np.arange(S) < filled)[None]
+    got = _kernel(q, cache_k, cache_v, mask, filled=filled, dtype=jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    want = _softmax_attention(q, cache_k, cache_v, mask)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-2, atol=1e-2)
+    *inputs, mask, want = _cancelling_cache(S, filled=filled, block=64, dtype=jnp.bfloat16)
+    got = _kernel(*inputs, mask, filled=filled, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(jnp.bfloat16))
+    q = np.zeros((1, 1, 1, 16), np.float32)
+    q[..., :2] = 32.0, 4.0
+    cache_k, cache_v = np.zeros((2, 1, 1, S, 16), np.float32)
+    cache_k[..., 0, 0], cache_k[..., 64, :2], cache_v[..., 64, :] = 32.0, (32.0, 1.0), 1.0
+    mask = np.isin(np.arange(S), [0, 64])[None]  # slot 0 (block 0) and slot 64 (block 1)
+    bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    got = _kernel(bf16(q), bf16(cache_k), bf16(cache_v), mask, filled=filled, dtype=jnp.bfloat16)
+    want = 1 / (1 + np.exp(-1.0))  # softmax([256, 257]) . [0, 1]
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-8)
+
+
 # Defined on a GPU only (CI counts a skip as a failure): the kernel compiled by Triton.
 if jax.default_backend() == "gpu":
 
@@ -109,6 +218,29 @@ def test_gpu_kernel_lowers_for_cuda_without_a_gpu():
     lowered = jax.jit(fn).trace(q, cache, cache, jnp.ones((8, 1, 4112), bool), filled=jnp.int32(9))
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.slow
+def test_cached_decode_over_block_boundaries_equals_the_full_forward():
+    """The tiny model, DECODE_BLOCK = 8 over a 20-slot cache (blocked from the first decode
+    step): 7 prompt tokens, then 13 decode steps, among them filled 8 (a whole block), 9 (the
+    step's own key the first slot of a new block), 17 and 20 (the last block clamped to start
+    at 12): the logits and routes of one full forward."""
+    cfg = model.ModelConfig.tiny()
+    params = model.init(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 20), 0, cfg.vocab_size)
+    with mock.patch.object(layers, "DECODE_BLOCK", 8):
+        assert layers.blocked_decode(1, 20)
+        forward = jax.jit(functools.partial(model.forward, cfg))  # traced with blocks of 8
+        full = forward(params, tokens)
+        out = forward(params, tokens[:, :7], cache=model.init_cache(cfg, batch=2, max_length=20))
+        logits, ids = [out.logits], [out.router.expert_ids]
+        for t in range(7, 20):
+            out = forward(params, tokens[:, t : t + 1], cache=out.cache)
+            logits.append(out.logits)
+            ids.append(out.router.expert_ids)
+    np.testing.assert_allclose(jnp.concatenate(logits, 1), full.logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(jnp.concatenate(ids, 2), full.router.expert_ids)
 
 
 def _sample(block_size: int):

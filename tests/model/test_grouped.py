@@ -23,11 +23,13 @@ GROUPS = {
 }
 
 
-def _inputs(sizes, dtype=jnp.float32):
-    k = jax.random.split(jax.random.key(sum(sizes)), 3)
-    x = jax.random.normal(k[0], (R, K), dtype)
-    w = (jax.random.normal(k[1], (G, K, N)) / 8).astype(dtype)
-    dy = jax.random.normal(k[2], (R, N), dtype)
+def _inputs(sizes, dtype=jnp.float32, *, k=K, n=N):
+    """Rows x [R, k], weights w [G, k, n] and an output cotangent dy [R, n] (each group's
+    matrix at 1/8 scale), the sizes as int32."""
+    keys = jax.random.split(jax.random.key(sum(sizes)), 3)
+    x = jax.random.normal(keys[0], (R, k), dtype)
+    w = (jax.random.normal(keys[1], (G, k, n)) / 8).astype(dtype)
+    dy = jax.random.normal(keys[2], (R, n), dtype)
     return x, w, jnp.asarray(sizes, jnp.int32), dy
 
 
@@ -50,7 +52,7 @@ def _check(kernels, x, w, sizes, dy, tol):
     want_dx = _loop(dy, jnp.swapaxes(w, 1, 2), sizes)
     want_dw = np.zeros(w.shape)
     ends = np.cumsum(np.asarray(sizes))
-    for g in range(G):
+    for g in range(w.shape[0]):
         rows = slice(ends[g] - sizes[g], ends[g])
         want_dw[g] = np.asarray(x[rows], np.float64).T @ np.asarray(dy[rows], np.float64)
     for got, want in ((y, _loop(x, w, sizes)), (dx, want_dx), (dw, want_dw)):
@@ -92,6 +94,53 @@ def test_triton_kernel_split_contraction_equals_the_group_loop(groups):
     # parts summed; values and gradients (dx runs the kernel too, on w transposed).
     with mock.patch.dict(grouped.TRITON_TILES, block_k=16, split_k=4):
         _check("triton", *_inputs(GROUPS[groups]), tol=1e-4)
+
+
+# (contraction K, output width N, block_k, split_k): the forward contracts K, dx contracts N.
+SPLITS = {
+    # Parts of 2 blocks each (forward) and of 3 (dx: N=96 in 2 parts of 48): a part's blocks
+    # are consecutive, each read once.
+    "parts of several blocks": (128, 96, 16, 4),
+    # 96 = 3 blocks of 32 (the widest power of two dividing 96): no whole number of blocks per
+    # part for 2 parts, so the contraction runs unsplit, all 3 blocks (also dx: N=80, 5 of 16).
+    "blocks do not divide into parts": (96, 80, 64, 2),
+    # 80 = 5 blocks of 16, split 4: no whole part either (dx: N=48, 3 blocks of 16).
+    "five blocks, four parts": (80, 48, 16, 4),
+    # K=72 is no multiple of 16: padded to 80 (5 blocks of 16, 5 parts of one block).
+    "padded contraction": (72, 64, 16, 5),
+}
+
+
+@pytest.mark.parametrize("shape", SPLITS)
+def test_triton_kernel_split_contraction_at_uneven_widths_equals_the_group_loop(shape):
+    k, n, block_k, split_k = SPLITS[shape]
+    with mock.patch.dict(grouped.TRITON_TILES, block_k=block_k, split_k=split_k):
+        _check("triton", *_inputs(GROUPS["uneven"], k=k, n=n), tol=1e-4)
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_triton_kernel_bf16_sums_its_parts_in_float32(split_k):
+    """bf16 rows and weights against the float64 product of the same (bf16) values: each
+    output within one bf16 rounding of it (2^-8 relative), which holds only if every block's
+    product and every part of a split contraction is summed in float32 and rounded once (a
+    part stored in bf16 adds a rounding of its own size, and parts of opposite sign cancel)."""
+    x, w, sizes, _ = _inputs(GROUPS["uneven"], jnp.bfloat16, k=256)
+    with mock.patch.dict(grouped.TRITON_TILES, block_k=32, split_k=split_k):
+        got = jax.jit(lambda *a: grouped.gmm(*a, "triton"))(x, w, sizes)
+    assert got.dtype == jnp.bfloat16
+    want = _loop(x, w, sizes)
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert (err <= 2**-8 * np.abs(want) + 1e-6).all(), err.max()
+
+
+def test_triton_kernel_split_parts_that_cancel_sum_exactly():
+    """Parts 257 (no bf16 number: 256 once a part is rounded to bf16) and -256, the two halves
+    of every column's contraction: exactly 1 in bf16, only if the parts add in float32."""
+    ones = jnp.ones((16, 64), jnp.bfloat16)
+    w = jnp.zeros((1, 64, 32)).at[0, 0].set(256.0).at[0, 1].set(1.0).at[0, 32].set(-256.0)
+    with mock.patch.dict(grouped.TRITON_TILES, block_k=16, split_k=2):
+        y = grouped._triton_ragged(ones, w.astype(jnp.bfloat16), jnp.asarray([16], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), 1.0)
 
 
 def test_triton_kernel_fp8_rows_times_fp8_weights_equal_the_quantized_loop():

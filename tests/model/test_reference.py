@@ -142,6 +142,35 @@ def test_replayed_forward(name, mode):
     assert np.abs(_real(want.logits, mask) - _real(free.logits, mask)).max() > 1e-2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode", [RoutingMode.REPLAY_IDS, RoutingMode.REPLAY_IDS_AND_WEIGHTS], ids=lambda m: m.name
+)
+def test_leading_dense_layers_replay_each_layers_own_routes(mode):
+    """Two leading dense layers, then two MoE layers (runs of two: the MoE run starts at layer 2,
+    not at its run index 1 nor its MoE index 0). A trace no router chose, different in each MoE
+    layer (layer l's free ids shifted by l, uneven given weights): every layer replays its own
+    routes, as the float64 reference does, and the forward returns them where they were."""
+    cfg = ModelConfig.tiny(
+        **_SMALL, num_layers=4, num_kv_heads=2, top_k=2, dense_layers=(0, 1), dense_ffn_dim=24,
+    )  # fmt: skip
+    params = model.init(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
+    free = _jit_forward(cfg, params, tokens)
+    layer = jnp.arange(cfg.num_layers)[None, :, None, None]
+    ids = jnp.where(
+        free.router.expert_ids >= 0, (free.router.expert_ids + layer) % cfg.num_experts, -1
+    )
+    weights = jax.random.uniform(jax.random.key(3), ids.shape) * (ids >= 0)
+    trace = types.RouterTrace(expert_ids=ids, expert_weights=weights)
+    out = _jit_forward(cfg, params, tokens, routing=trace, routing_mode=mode)
+    want = ref.forward(cfg, params, tokens, routing=(ids, weights), mode=mode.value)
+    mask = jnp.ones(tokens.shape, bool)
+    _assert_matches(out, want, mask)
+    np.testing.assert_array_equal(out.router.expert_ids, ids)
+    assert want.num_unrecorded_routes == 0
+
+
 def test_rms_norm_small_rms_regime_hand_example():
     # y = x / sqrt(mean(x^2) + eps) * scale. A constant 1e-3 input with eps = 1e-6:
     #   1e-3 / sqrt(1e-6 + 1e-6) = 1 / sqrt(2) = 0.70711

@@ -214,3 +214,34 @@ def test_decode_params_fuse_each_layers_qkv_and_run_the_same_model(params, token
                 np.concatenate([w.astype(jnp.float32) for w in layer], axis=1),
             )
             assert attn["qkv_proj"].values.shape == (D, H + 2 * N, Dh)
+
+
+# Two leading dense layers, then two MoE layers: two layer runs, the MoE run starting at layer 2,
+# which is neither its run index (1) nor its index among the MoE layers (0), and runs of two
+# layers (a scan index that is not always 0). CFG's runs of one layer each hide a route or a
+# cache buffer picked by the wrong one of these indices.
+LEADING_DENSE = ModelConfig.tiny(num_layers=4, dense_layers=(0, 1), dense_ffn_dim=48)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["stacked", "decode params"])
+def test_leading_dense_layers_each_read_their_own_cache_in_decode(tokens, layout):
+    """Prefill 5 tokens, then 7 cached decode steps, with the scanned [L, ...] runs and with the
+    sampler's per-layer decode params (`Model.decode_params`): the logits and routes of one full
+    forward, and every layer's cache buffer holds that layer's keys (each layer's differ)."""
+    cfg = LEADING_DENSE
+    fwd = jax.jit(functools.partial(model.forward, cfg))
+    params = model.init(cfg, jax.random.key(0))
+    full = fwd(params, tokens)
+    if layout == "decode params":
+        params = model.Model(cfg).decode_params(params)
+    out = fwd(params, tokens[:, :5], cache=model.init_cache(cfg, batch=2, max_length=16))
+    logits, ids = [out.logits], [out.router.expert_ids]
+    for t in range(5, tokens.shape[1]):
+        out = fwd(params, tokens[:, t : t + 1], cache=out.cache)
+        logits.append(out.logits)
+        ids.append(out.router.expert_ids)
+    np.testing.assert_allclose(jnp.concatenate(logits, 1), full.logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(jnp.concatenate(ids, 2), full.router.expert_ids)
+    keys = np.asarray(out.cache.k)[:, :, :, :12]  # [L, B, N, T, Dh]
+    assert all(np.abs(keys[i] - keys[j]).max() > 1e-3 for i in range(4) for j in range(i))
