@@ -203,18 +203,13 @@ def _on_topology_mesh(args, topology: str, sizes: str):
     arranged as espo's mesh `sizes` ("data=1,fsdp=1,expert=4"): params sharded by
     `sharding.RULES` (`param_shardings`), the rows along the batch axes; and the mesh as the
     context mesh to trace under (`jax.set_mesh`: the MoE's expert-parallel shard_map)."""
+    import bench_moe
     import jax
     import numpy as np
-    from jax.experimental import topologies
 
     from espo import sharding
 
-    shape = topology.split(":")[1]
-    bounds = tuple(int(n) for n in shape.split("x")) + (1,) * (3 - len(shape.split("x")))
-    topo = topologies.get_topology_desc(
-        platform="tpu", topology_name=topology, chip_config_name="default",
-        chips_per_host_bounds=bounds, num_slices=1,
-    )  # fmt: skip
+    topo = bench_moe.tpu_topology(topology)
     given = dict(kv.split("=") for kv in sizes.split(","))
     dims = tuple(int(given.get(a, 1)) for a in sharding.AXES)
     if int(np.prod(dims)) != len(topo.devices):

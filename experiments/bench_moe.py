@@ -191,17 +191,21 @@ def hlo_summary(compiled, useful_flops: float) -> dict:
     }
 
 
-def _tpu_device(topology: str):
-    """The first device of a TPU `topology` (JAX's deviceless AOT; libtpu installed) and a
-    replicated sharding on it."""
+def tpu_topology(topology: str):
+    """The devices of a TPU `topology` ("v5p:2x2x1"; JAX's deviceless AOT, libtpu installed)."""
     from jax.experimental import topologies
 
     shape = topology.split(":")[1]
     bounds = tuple(int(n) for n in shape.split("x")) + (1,) * (3 - len(shape.split("x")))
-    topo = topologies.get_topology_desc(
+    return topologies.get_topology_desc(
         platform="tpu", topology_name=topology, chip_config_name="default",
         chips_per_host_bounds=bounds, num_slices=1,
     )  # fmt: skip
+
+
+def _tpu_device(topology: str):
+    """The first device of a TPU `topology` and a replicated sharding on it."""
+    topo = tpu_topology(topology)
     one = jax.sharding.Mesh(topo.devices[:1], ("x",))
     spec = jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec())
     return topo.devices[0].device_kind, spec

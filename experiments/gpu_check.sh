@@ -27,6 +27,9 @@
 #            every MoE dispatch path (is XLA's ragged_dot a grouped GEMM here, or dense over
 #            every expert?) and the grouped-matmul A/B (XLA ragged_dot, capacity, blocked, Mosaic
 #            GPU, Triton), forward at decode rows and forward + backward at update rows;
+#   longdecode: (asked for by name) bench_long_decode.py: decode steps over 1k / 8k / 32k tokens
+#            of context, 4 layers of Qwen3-30B-A3B's shape in bf16, 16 rows, against the
+#            bandwidth (docs/performance.md "Decoding at a reasoning trace's length");
 #   cmdbuf:  (asked for by name) decode rows with XLA's command buffers (CUDA graphs) taking the
 #            while loops too (XLA_FLAGS below; 0.78-0.93x without them on an H100, run 3).
 # Measured before (docs/gpu/README.md): FP8 matmul forms (--only fp8), 8 decode steps per check
@@ -77,6 +80,11 @@ fi
 if on moe; then
   timeout ${MOE_LIMIT:-120} $PY experiments/bench_moe.py --only hlo,gmm --json "$OUT/moe.json" \
     --cache /tmp/jax_cache 2>&1 | tee "$OUT/moe.log" | quiet
+fi
+if on longdecode; then
+  timeout 300 $PY experiments/bench_long_decode.py --model qwen3_L4 --rows 16 --new 64 \
+    --reps 1 --moe-chunk 4096 --contexts 1024,8192,32768 --json "$OUT/longdecode.json" \
+    2>&1 | tee "$OUT/longdecode.log" | quiet
 fi
 if on cmdbuf; then
   XLA_FLAGS="$CMDBUF" timeout 100 $PY experiments/bench_moe.py --only decode \

@@ -1,0 +1,65 @@
+"""bench_memory.py's reading of XLA's buffer assignment, and bench_long_decode.py's cache size."""
+
+import pathlib
+import sys
+
+import jax
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "experiments"))
+import bench_long_decode  # noqa: E402
+import bench_memory  # noqa: E402
+
+from espo.model import handle  # noqa: E402
+from espo.model.config import ModelConfig  # noqa: E402
+
+# A TPU-style dump: tiled layouts hold parentheses, temporaries come in several colours.
+ASSIGNMENT = """BufferAssignment:
+allocation 0: size 512, thread-local:
+ value: <2 reduce_window_sum.5 @0> (size=512,offset=0): s32[]{:T(128)}
+allocation 1: size 4096, maybe-live-out:
+ value: <3 dus.1 @0> (size=4096,offset=0): bf16[2,1024]{1,0:T(8,128)(2,1)}
+allocation 2: size 8192, parameter 0, shape |bf16[4,1024]| at ShapeIndex {}:
+ value: <4 p.1 @0> (size=8192,offset=0): bf16[4,1024]{1,0:T(8,128)(2,1)}
+allocation 3: size 64, color 1, preallocated-temp:
+ value: <5 tok.1 @0> (size=0,offset=0): token[]
+allocation 4: size 3072, preallocated-temp:
+ value: <6 fusion.1 @0> (size=2048,offset=0): f32[512]{0:T(1024)}
+ value: <7 fusion.2 @0> (size=1024,offset=0): bf16[512]{0:T(1024)(128)(2,1)}
+ value: <8 tuple.1 @0> (size=16,offset=2048): (f32[512], bf16[512])
+ value: <9 fusion.3 @0> (size=1024,offset=2048): bf16[2,256]{1,0:T(2,128)(2,1)}
+"""
+
+
+@pytest.fixture
+def dump(tmp_path):
+    name = "module_0000.jit_loss.cl_1.after_optimizations-buffer-assignment.txt"
+    (tmp_path / name).write_text(ASSIGNMENT)
+    return str(tmp_path)
+
+
+def test_allocation_sizes_split_temporaries_arguments_and_outputs(dump):
+    got = bench_memory.allocation_sizes(dump)
+    GiB = bench_memory.GiB
+    assert got == dict(temp_gib=(3072 + 64) / GiB, args_gib=8192 / GiB, out_gib=4096 / GiB)
+
+
+def test_largest_temporaries_read_tiled_layouts(dump):
+    """The main temp allocation's slots by offset, largest first (a layout's parentheses once
+    hid every value but tokens and scalars)."""
+    got = bench_memory.largest_temps(dump, 2)
+    assert [r["gib"] * bench_memory.GiB for r in got] == [2048, 1024]
+    assert got[0]["shapes"] == "f32[512], bf16[512]" and got[1]["shapes"] == "bf16[2,256]"
+
+
+def test_kv_cache_size_is_the_caches_bytes():
+    cfg = ModelConfig.tiny(num_layers=3, dtype="bfloat16")
+    cache = handle.Model(cfg).init_cache(batch=2, max_length=37)
+    nbytes = sum(a.nbytes for a in jax.tree.leaves((cache.k, cache.v)))
+    assert bench_long_decode.kv_cache_gib(cfg, 2, 37) * 2**30 == nbytes
+
+
+def test_long_decode_measures_a_step_over_the_cache():
+    r = bench_long_decode.measure(ModelConfig.tiny(), 40, rows=2, new=3, reps=1)
+    assert r["step_ms"] > 0 and r["prefill_s"] > 0 and r["tokens_per_s"] > 0
+    assert r["read_gb"] > 0
