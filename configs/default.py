@@ -204,6 +204,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.sft.learning_rate = 4e-3  # AdamW peak (warmup + cosine)
     c.sft.warmup_steps = 20  # linear warmup
     c.sft.packing = True  # demonstrations end to end in the rows (~half the positions computed)
+    c.sft.verified_only = False  # only demonstrations the verifier accepts (offline filtering)
 
     # ---- curriculum: espo.curriculum stages, in order (Compass-Thinker-7B) -----------------------
     c.curriculum = ml_collections.ConfigDict()

@@ -38,6 +38,10 @@ class SftConfig:
     learning_rate: float = 1e-3
     warmup_steps: int = 0
     packing: bool = False  # demonstrations packed end to end (espo.sft.packed_batch)
+    # Offline filtering: train only on the demonstrations the task's verifier (the reward RL
+    # scores rollouts with) accepts, reward > advantage.success_threshold (what "rft" counts as
+    # correct); the others are drawn and skipped. Zero rollouts.
+    verified_only: bool = False
 
     def __post_init__(self):
         errors.check(
@@ -45,6 +49,7 @@ class SftConfig:
             {
                 "steps": (errors.is_int(self.steps) and self.steps >= 0, "an int >= 0"),
                 "packing": (isinstance(self.packing, bool), "True or False"),
+                "verified_only": (isinstance(self.verified_only, bool), "True or False"),
                 "batch_size": (
                     errors.is_int(self.batch_size) and self.batch_size >= 1,
                     "an int >= 1",

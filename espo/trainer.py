@@ -385,8 +385,9 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     else:
         if s.sft.steps and not (s.hf_path or s.init_from):
             params = _warm_start(
-                s, model_cfg, params, train_src, tok, encode, Tp, curr, progress=progress
-            )
+                s, model_cfg, params, train_src, tok, encode, Tp, curr, progress=progress,
+                reward_fn=reward_fn,
+            )  # fmt: skip
         state = jax.jit(make_state, out_shardings=state_sharding)(params)  # created sharded
         host.start_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
         start_step = 0
@@ -662,8 +663,21 @@ def _prompts(s, curr, host: _Host, encode, *, stage_seed: int) -> Iterator[examp
         yield got[0]
 
 
-def _warm_start(s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progress: bool):
-    """`sft.steps` of token NLL on demonstrations drawn from every level (its own stream)."""
+def verified(s: config_lib.Settings, reward_fn):
+    """`sft.verified_only`'s test of an example: its demonstration's reward (`reward_fn`, the
+    verifier RL scores rollouts with) > advantage.success_threshold; None when every
+    demonstration is kept."""
+    if not s.sft.verified_only:
+        return None
+    threshold = s.advantage.success_threshold
+    return lambda e: reward_fn(e.prompt, e.demonstration or e.answer, e.meta) > threshold
+
+
+def _warm_start(
+    s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progress: bool, reward_fn=None
+):
+    """`sft.steps` of token NLL on demonstrations drawn from every level (its own stream); with
+    `sft.verified_only`, only those `reward_fn` accepts (`verified`)."""
     stream = stream_lib.PromptStream(train_src, seed=s.seed + 1)
     opt, _ = train_step.make_optimizer(
         learning_rate=s.sft.learning_rate, total_steps=s.sft.steps, warmup_steps=s.sft.warmup_steps
@@ -671,7 +685,8 @@ def _warm_start(s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progr
     opt_state = opt.init(params)
     width = curr.max_new_tokens
     target = lambda e: tok.encode_completion(e.demonstration or e.answer)
-    fits = lambda e: len(encode(e)) <= Tp and len(target(e)) <= width
+    accepted = verified(s, reward_fn or reward_fn_of(s)) or (lambda e: True)
+    fits = lambda e: len(encode(e)) <= Tp and len(target(e)) <= width and accepted(e)
     bar = tqdm.tqdm(total=s.sft.steps, desc="warm start (SFT)", disable=not progress)
     for _ in range(s.sft.steps):
         exs = stream.take(s.sft.batch_size, accept=fits)
@@ -679,7 +694,9 @@ def _warm_start(s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progr
             raise ValueError(
                 f"sft: no demonstration fits: prompts <= data.max_prompt_length={Tp} tokens and "
                 f"demonstrations <= the curriculum's largest max_new_tokens={width} (with the stop "
-                f"id) in {100 * s.sft.batch_size} draws; raise them, or set sft.steps=0"
+                f"id) in {100 * s.sft.batch_size} draws"
+                + (", and the verifier accepts (sft.verified_only)" if s.sft.verified_only else "")
+                + "; raise them, or set sft.steps=0"
             )
         batch = sft.demonstration_batch(
             [encode(e) for e in exs], [target(e) for e in exs],

@@ -291,6 +291,36 @@ def paired_difference(xs: Sequence[float], ys: Sequence[float], digits: int = 3)
     return f"{ci(diff, digits)} ({sum(d > 0 for d in diff)} / {len(diff)} seeds > 0)"
 
 
+def welch_interval(
+    xs: Sequence[float], ys: Sequence[float], confidence: float = 0.95
+) -> tuple[float, float]:
+    """(mean(xs) - mean(ys), the half-width of its two-sided Welch t-interval): two independent
+    samples of seeds (not paired), unequal variances; nan half-width below 2 values a side."""
+    from scipy import stats
+
+    x = np.array([v for v in xs if _finite(v)], float)
+    y = np.array([v for v in ys if _finite(v)], float)
+    if not (len(x) and len(y)):
+        return math.nan, math.nan
+    diff = float(x.mean() - y.mean())
+    if len(x) < 2 or len(y) < 2:
+        return diff, math.nan
+    vx, vy = x.var(ddof=1) / len(x), y.var(ddof=1) / len(y)
+    se = math.sqrt(vx + vy)
+    if se == 0.0:
+        return diff, 0.0
+    df = (vx + vy) ** 2 / (vx**2 / (len(x) - 1) + vy**2 / (len(y) - 1))
+    return diff, float(stats.t.ppf(0.5 + confidence / 2, df=df)) * se
+
+
+def welch_difference(xs: Sequence[float], ys: Sequence[float], digits: int = 3) -> str:
+    """'m ± h [lo, hi] (Welch)': `welch_interval` of mean(xs) - mean(ys), unpaired."""
+    m, h = welch_interval(xs, ys)
+    if not math.isfinite(h):
+        return "n/a" if not math.isfinite(m) else f"{m:+.{digits}f}"
+    return f"{m:+.{digits}f} ± {h:.{digits}f} [{m - h:.{digits}f}, {m + h:.{digits}f}] (Welch)"
+
+
 def binomial_half_width(p: float, n: int, confidence: float = 0.95) -> float:
     """The half-width of the normal-approximation (Wald) interval of a share `p` measured on `n`
     independent prompts: what one evaluation's prompt sample alone leaves uncertain."""
