@@ -282,8 +282,7 @@ def measure(point: dict) -> dict:
             args = jax.tree.map(on_tpu, args)
     t0 = time.perf_counter()
     with backend, mesh:
-        donate = (0,) if point.get("donate") else ()
-        lowered = jax.jit(jax.grad(loss), donate_argnums=donate).trace(*args).lower()
+        lowered = jax.jit(jax.grad(loss)).trace(*args).lower()
     t1 = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -374,7 +373,6 @@ def main(argv=None) -> None:
     p.add_argument(
         "--mesh", default="", help="with --tpu: its chips as this mesh (data=1,fsdp=1,expert=4)"
     )
-    p.add_argument("--donate", action="store_true", help="the params' buffers donated")
     p.add_argument("--buffers", type=int, default=0, help="list N largest temporaries")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per point")
     p.add_argument("--max-rss-gb", type=float, default=16.0, help="stop a point past this RSS")
@@ -411,7 +409,7 @@ def main(argv=None) -> None:
                         model=model, length=T, rows=args.rows, replay=args.replay,
                         overrides={} if setting == "before" else parse_setting(setting),
                         buffers=args.buffers, max_rss_gb=args.max_rss_gb, tpu=args.tpu,
-                        mesh=args.mesh, donate=args.donate,
+                        mesh=args.mesh,
                         no_scan_hoisting=args.no_scan_hoisting,
                     )  # fmt: skip
                     r = run_point(point, tree, args.timeout)

@@ -284,6 +284,12 @@ def paired_ci(data: Mapping[str, Mapping[str, list]], base: str, arm: str, colum
     return paired_difference(data[base][column], data[arm][column])
 
 
+def paired_row(label: str, xs: Sequence[float], ys: Sequence[float]) -> list:
+    """A table row comparing two arms seed by seed: [label, "+a / +b / ...", paired_difference]."""
+    diffs = " / ".join(f"{x - y:+.3f}" for x, y in zip(xs, ys, strict=True))
+    return [label, diffs, paired_difference(xs, ys)]
+
+
 def paired_difference(xs: Sequence[float], ys: Sequence[float], digits: int = 3) -> str:
     """`ci` of the per-seed differences xs[k] - ys[k] (the same seeds, paired) and how many of
     them are above 0: 'm ± h [lo, hi] (n / N seeds > 0)'."""

@@ -199,16 +199,14 @@ def render(data: dict) -> list[str]:
               "process fidelity (share of all prompts)",
               "right answer, wrong process (share of right answers)", "RL time (s)"]  # fmt: skip
     own, longer = data["own_start"], data["end"]["sft-longer"]
-    per_seed = lambda xs, ys: " / ".join(f"{x - y:+.3f}" for x, y in zip(xs, ys, strict=True))
-    paired = [["SFT x2 minus each seed's own warm start", per_seed(longer, own),
-               repro_lib.paired_difference(longer, own)]]  # fmt: skip
+    paired = [repro_lib.paired_row("SFT x2 minus each seed's own warm start", longer, own)]
     if "rft" in data["end"] and "rl" in data["end"]:
         rl, rft = data["end"]["rl"], data["end"]["rft"]
-        paired.append(["RL minus rejection-sampling FT (the same warm start and seed)",
-                       per_seed(rl, rft), repro_lib.paired_difference(rl, rft)])  # fmt: skip
+        paired.append(repro_lib.paired_row(
+            "RL minus rejection-sampling FT (the same warm start and seed)", rl, rft
+        ))  # fmt: skip
     flat = [ceil["ceiling"]] * len(longer)
-    paired.append(["SFT x2 minus the exact teacher's ceiling", per_seed(longer, flat),
-                   repro_lib.paired_difference(longer, flat)])  # fmt: skip
+    paired.append(repro_lib.paired_row("SFT x2 minus the exact teacher's ceiling", longer, flat))
     second = repro_lib.markdown_table(
         ["comparison (seed by seed)", "per seed", "mean ± 95% interval (seeds > 0)"], paired
     )
@@ -429,7 +427,6 @@ def offline_render(data: dict) -> list[str]:
     exact = ceil["ceiling"]
     seeds = ", ".join(str(s) for s in data["seeds"])
     per_seed = lambda xs: " / ".join(f"{x:.3f}" for x in xs)
-    diffs = lambda xs, ys: " / ".join(f"{x - y:+.3f}" for x, y in zip(xs, ys, strict=True))
     rows = [["each seed's own warm start (420 SFT steps)", per_seed(own), repro_lib.ci(own),
              "0", "", ""]]  # fmt: skip
     ends = dict(data["end"])
@@ -458,8 +455,7 @@ def offline_render(data: dict) -> list[str]:
     x2 = base["end"].get("sft-longer") if base else None
     for name, xs in data["end"].items():
         t = OFFLINE_TITLES.get(name, name)
-        comp.append([f"{t} minus each seed's own warm start", diffs(xs, own),
-                     repro_lib.paired_difference(xs, own)])  # fmt: skip
+        comp.append(repro_lib.paired_row(f"{t} minus each seed's own warm start", xs, own))
         if base:
             change = [x - o for x, o in zip(xs, own, strict=True)]
             for other in ("rl", "rft"):
@@ -467,11 +463,9 @@ def offline_render(data: dict) -> list[str]:
                     welch = repro_lib.welch_difference(change, base["change"][other])
                     comp.append([f"{t}'s change minus {other.upper()}'s (unpaired)", "", welch])
         if x2 is not None:
-            comp.append([f"{t} minus SFT x2 (the same seed)", diffs(xs, x2),
-                         repro_lib.paired_difference(xs, x2)])  # fmt: skip
+            comp.append(repro_lib.paired_row(f"{t} minus SFT x2 (the same seed)", xs, x2))
         flat = [exact] * len(xs)
-        comp.append([f"{t} minus the exact teacher's ceiling", diffs(xs, flat),
-                     repro_lib.paired_difference(xs, flat)])  # fmt: skip
+        comp.append(repro_lib.paired_row(f"{t} minus the exact teacher's ceiling", xs, flat))
     second = repro_lib.markdown_table(
         ["comparison", "per seed", "mean ± 95% interval (seeds > 0)"], comp
     )
