@@ -11,7 +11,11 @@ length traces: prompts up to 2k tokens, up to 30,720 new ones, packed into 32k-t
 micro-batches, every layer rematerialised, the MoE dispatch 4k tokens at a time; the update's
 gradient of one 32k trace on the 48-layer Qwen3-30B-A3B needs 12.6 GiB of temporaries on an H200
 without MoE chunks, 11.7 GiB compiled for a TPU v5p chip with them, docs/performance.md) and "tiny"
-(the tests run it on a random tiny checkpoint they build).
+(the tests run it on a random tiny checkpoint they build); and the real-size presets
+"30b_a3b" (Qwen3-30B-A3B at NeMo-RL's GRPO shape: 4k tokens, 2,048 rows a step), "30b_a3b_long"
+(the same at 2k + 30k tokens) and "235b_a22b" (Qwen3-235B-A22B at 8k tokens), whose RL step
+`experiments/aot.py` compiles for a TPU slice or a GPU node without weights (PRESETS below;
+docs/performance.md "Does it fit").
 
 Expected result: none measured yet. No real checkpoint has been trained with this config (the
 documentation reports no such run); the tests check only that the tiny variant trains and exports.
@@ -30,13 +34,56 @@ default = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(default)
 
 
+# Real shapes, no weights needed (`experiments/aot.py` compiles their RL step for a TPU slice or
+# a GPU node; a run reads the weights from model.hf_path, whose config.json must match):
+# architecture (config.json), RL batch and lengths as NeMo-RL's GRPO performance recipes
+# (G-GBS rows a step, T-GBS rows an update), and the mesh the aot tool found to fit.
+PRESETS = {
+    # Qwen3-30B-A3B at NeMo-RL's shape: 4k tokens, 64 prompts x 32 = 2,048 rows, 512 an update
+    "30b_a3b": dict(model="qwen3_30b_a3b", prompt=1024, new=3072, prompts=64, group=32,
+                    mini=512, budget=8192, mesh=dict(data=1, fsdp=1, expert=8)),
+    # the same at reasoning length: 2k + 30k tokens (the "long" settings)
+    "30b_a3b_long": dict(model="qwen3_30b_a3b", prompt=2048, new=30720, prompts=32, group=16,
+                         mini=128, budget=32768, mesh=dict(data=1, fsdp=1, expert=8)),
+    # Qwen3-235B-A22B at NeMo-RL's shape: 8k tokens, 32 prompts x 16 = 512 rows a step
+    "235b_a22b": dict(model="qwen3_235b_a22b", prompt=1024, new=7168, prompts=32, group=16,
+                      mini=512, budget=8192, mesh=dict(data=1, fsdp=8, expert=8)),
+}  # fmt: skip
+
+
+def preset(c: ml_collections.ConfigDict, name: str) -> None:
+    """`c` set to preset `name`'s architecture, batch, lengths and mesh (PRESETS)."""
+    import dataclasses
+
+    from espo.model import config as model_config
+
+    p = PRESETS[name]
+    arch = dataclasses.asdict(getattr(model_config.ModelConfig, p["model"])())
+    compute = {f: c.model[f] for f in model_config.COMPUTE_FIELDS if f in c.model}
+    c.model.update({**arch, **compute, "hf_path": c.model.hf_path})
+    c.data.max_prompt_length = p["prompt"]
+    c.curriculum.stages = (
+        default.stage("all", max_difficulty=1.0, steps=10**9, group_size=p["group"],
+                      max_new_tokens=p["new"]),
+    )  # fmt: skip
+    c.zve.group_size = c.zve.max_group_size = p["group"]  # adaptive G off: the recipe's G
+    rows = p["prompts"] * p["group"]
+    c.train.update(prompts_per_step=p["prompts"], mini_batch_size=min(p["mini"], rows))
+    c.train.update(packing=True, max_tokens_per_micro_batch=p["budget"])
+    c.model.remat = "full"
+    c.model.moe_chunk = 4096
+    c.rollout.max_chunk_size = 256  # rows decoded together
+    c.mesh.update(p["mesh"])
+
+
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     variant = arg or "default"
-    if variant not in ("default", "long", "tiny"):
+    if variant not in ("default", "long", "tiny", *PRESETS):
         raise ValueError(
-            f"configs/qwen3_moe.py: variant {variant!r} is invalid; valid: default, long, tiny"
+            f"configs/qwen3_moe.py: variant {variant!r} is invalid; valid: default, long, tiny, "
+            + ", ".join(PRESETS)
         )
-    c = default.get_config("default" if variant == "long" else variant)
+    c = default.get_config("tiny" if variant == "tiny" else "default")
     c.workdir = "runs/qwen3_moe"  # outputs of the run
     c.model.hf_path = "/path/to/qwen3_moe"  # the checkpoint directory (required)
     c.model.param_dtype = "bfloat16"  # as the checkpoints ship
@@ -58,7 +105,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         default.stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=2048),
     )
     c.eval.update(every_steps=50, num_prompts=128, samples=4)
-    if variant == "long":  # reasoning-length traces: prompts up to 2k, up to 30k new tokens
+    if variant in ("long", "30b_a3b_long"):  # reasoning-length traces: 2k + 30k new tokens
         c.data.max_prompt_length = 2048  # tokens: a long problem statement fits
         c.model.remat = "full"  # each layer's input kept, the rest recomputed (least memory)
         c.model.moe_chunk = 4096  # the MoE's (token, expert) buffers 4k tokens of a row at a time
@@ -67,6 +114,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         c.curriculum.stages = (
             default.stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=30720),
         )
+    if variant in PRESETS:
+        preset(c, variant)
     if variant == "tiny":
         c.model.update(param_dtype="float32", dtype="float32")
         c.data.max_prompt_length = 48

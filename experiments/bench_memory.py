@@ -155,15 +155,16 @@ def largest_temps(dump_dir: str, n: int) -> list[dict]:
     ]  # fmt: skip
 
 
-def allocation_sizes(dump_dir: str) -> dict:
-    """The gradient's allocations in XLA's buffer assignment (its dump), in GiB: temporaries
+def allocation_sizes(dump_dir: str, module: str = "jit_loss") -> dict:
+    """The allocations of program `module` (the gradient's by default) in XLA's buffer
+    assignment (its dump), in GiB: temporaries
     (the preallocated temp allocations), arguments (the entry parameters') and outputs (the
     live-out ones, which also hold temporaries before the gradient is written: counted once,
     as outputs). Their sum is what XLA:TPU checks against the chip's HBM (its refusal calls it
     all "HLO temporaries"); `memory_analysis()` is not available when it refuses, and on a TPU
     its temp_size differs from this sum's temporaries (it is printed beside them)."""
     files = sorted(
-        pathlib.Path(dump_dir).glob("*jit_loss*after_optimizations-buffer-assignment.txt")
+        pathlib.Path(dump_dir).glob(f"*{module}*after_optimizations-buffer-assignment.txt")
     )
     sizes = dict(temp_gib=0.0, args_gib=0.0, out_gib=0.0)
     for line in files[-1].read_text().splitlines() if files else ():

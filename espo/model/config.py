@@ -271,3 +271,26 @@ class ModelConfig:
             aux_loss_coef=0.001,
         )
         return cls(**{**base, **overrides})
+
+    @classmethod
+    def qwen3_235b_a22b(cls, **overrides) -> ModelConfig:
+        """Qwen3-235B-A22B's architecture (94 layers, 128 experts, top-8; its config.json)."""
+        base = dict(
+            vocab_size=151936,
+            d_model=4096,
+            num_layers=94,
+            num_heads=64,
+            num_kv_heads=4,
+            head_dim=128,
+            num_experts=128,
+            top_k=8,
+            moe_ffn_dim=1536,
+            qk_norm=True,
+            norm_topk_prob=True,
+            rope_theta=1_000_000.0,
+            rms_eps=1e-6,
+            param_dtype="bfloat16",
+            dtype="bfloat16",
+            aux_loss_coef=0.001,
+        )
+        return cls(**{**base, **overrides})

@@ -1,0 +1,677 @@
+"""Does one RL step fit, and how fast would it go? Compiled for hardware that is not here.
+
+  PYTHONPATH=<libtpu dir> python experiments/aot.py --config configs/qwen3_moe.py:30b_a3b \\
+      --tpu v5p:2x2x4                       # a v5p slice of 16 chips, deviceless (libtpu)
+  python experiments/aot.py --config configs/qwen3_moe.py:30b_a3b --gpus 8 --chip h100
+      # a GPU node: the mesh over 8 emulated CPU devices (XLA:CPU's per-device program)
+  python experiments/aot.py --config configs/default.py --gpus 2 --mesh data=2   # one mesh
+
+Nothing runs and no weight is read: every program is lowered from shape structs placed by
+espo's shardings and compiled for the target. The programs of one RL step, each the function
+the trainer jits (`trainer.train`):
+  update   `train_step.train_step` on one micro-batch (value and gradient, accumulation, the
+           optimiser's apply; the state donated): the update's memory whatever the number of
+           micro-batches (the scan reuses one body), its FLOPs per micro-batch;
+  old      `train_step.prepare`: pi_old's forward (router replay) over one micro-batch;
+  rollout  `sampler._sample_chunk` on one chunk (`rollout.max_chunk_size` rows, FP8 weights in
+           the decode layout when `rollout.fp8`): the prefill, the KV cache of prompt + every
+           new token, and the decode loop.
+Shapes: a trace is T = data.max_prompt_length + the curriculum's largest max_new_tokens
+tokens; a micro-batch gives each device `--rows-per-device` rows of T (default: one packed
+row of train.max_tokens_per_micro_batch tokens, `// T` rows of it, with train.packing; else
+train.micro_batch_size over the devices). A packed micro-batch is compiled as padded rows of
+the same tokens. The training state is resident during every program: the rollout and pi_old
+rows count the params and optimiser state they do not take as arguments ("resident").
+
+Per device, per program: params, optimiser state, other inputs (batch / prompts), temporaries,
+outputs not aliased to an input, resident state, their total against the chip's HBM. On a TPU
+the sizes are the compiler's buffer assignment's (what its HBM check adds up, also when it
+refuses the program: `bench_memory.allocation_sizes`); on the emulated GPU node they are
+XLA:CPU's `memory_analysis()` of one device's program, which is an estimate for a GPU: XLA:CPU
+runs bf16 dots in float32 and keeps some bf16 temporaries (the stacked expert gradients) in
+float32 (bench_memory.py's docstring), so its temporaries are an upper bound, and it lays out
+and fuses differently; the parameter, optimiser and input sizes are exact (they are the
+shardings'). Check against a real GPU's compile when one is lent.
+
+Work per program, per device: the matmuls of the traced program (`roofline.jaxpr_dots`: every
+dot and grouped matmul with its loop trip counts, remat's recomputation included, traced with
+the XLA implementations: attention "blocked", the MoE's ragged_dot), divided evenly over the
+devices; the collectives of the compiled, partitioned program (`roofline.hlo_collectives`,
+bytes each device sends per program run). Roofline: per matmul max(FLOPs / peak, bytes / HBM
+bandwidth), summed (elementwise work not counted), and the collectives' bytes over the chip's
+link bandwidth; the program's time is the larger of the two (full overlap: optimistic).
+MFU = model FLOPs (6 x active params per token for the update, + attention's 12 x layers x
+heads x head_dim x mean context) / (time x peak).
+
+One RL step (`step`): prompts_per_step x G rows of T tokens (every trace at its maximum length:
+an upper bound on work); the update's micro-batches x train.ppo_epochs, pi_old's, and the
+rollout's chunks of prefill + max_new_tokens decode steps (each decode step at the full cache:
+an upper bound); tokens per second per chip = rows x T / (step time x chips).
+
+Meshes (`--mesh`, else searched): every data x fsdp x expert of the device count whose expert
+size divides the experts and fsdp the model width, whose static memory (params + optimiser
+state per device, exact) fits; the `--max-meshes` with the least of it (among equals the widest
+expert axis) are compiled, and of those that fit every program the fastest projected step is
+reported, with every compiled mesh's rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from unittest import mock
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GiB = 2**30
+PROGRAMS = ("update", "old", "rollout")
+
+
+# ---- the RL step's programs at a config's shapes (in the compiling subprocess) -------------------
+def settings_of(config: str, overrides: tuple[str, ...] = ()):
+    """The Settings of `path[:variant]` with `overrides` ("train.ppo_epochs=2": a JSON value, or
+    a string) and its model's architecture (a checkpoint's path ignored: the shape is the
+    config's)."""
+    from espo import config as config_lib
+    from espo import testing
+
+    path, _, variant = config.partition(":")
+    cfg = testing.load_script(ROOT / path if not os.path.isabs(path) else path).get_config(variant)
+    for item in overrides:
+        key, eq, text = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = cfg
+        for name in parents:
+            node = node.get(name) if hasattr(node, "get") else None
+        if not eq or node is None or leaf not in node:
+            raise SystemExit(f"--set {item!r}: not a key=value of {config}'s config")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node[leaf] = value
+    cfg.model.hf_path = ""  # the architecture from the config's model fields
+    s = config_lib.Settings.from_config(cfg)
+    return s, s.model
+
+
+def shapes_of(s, model_cfg, devices: int, rows_per_device: int = 0) -> dict:
+    """T, rows per micro-batch and per chunk, rows per RL step (module docstring)."""
+    curr = s.curriculum
+    T = s.max_prompt_length + curr.max_new_tokens
+    if not rows_per_device:
+        if s.train.packing:
+            rows_per_device = max(1, s.train.max_tokens_per_micro_batch // T)
+        else:
+            rows_per_device = max(1, s.train.micro_batch_size // devices)
+    G = max(max(st.group_size for st in curr.stages), s.zve.max_group_size)
+    num_rows, mini_rows, _ = s.train.batch_rows(G)
+    G_first = curr.stages[0].group_size
+    prompts = max(s.rollout.max_chunk_size // G_first, 1)  # a chunk's prompts, on every device
+    chunk = math.ceil(prompts / devices) * devices * G_first
+    return dict(
+        T=T, Tp=s.max_prompt_length, Tg=curr.max_new_tokens, micro_rows=rows_per_device * devices,
+        rows_per_device=rows_per_device, step_rows=num_rows, updates=num_rows // mini_rows,
+        epochs=s.train.ppo_epochs, G=G_first, chunk_rows=chunk,
+    )  # fmt: skip
+
+
+def abstract_batch(model_cfg, lead: tuple[int, ...], T: int):
+    """A `batching.TrainBatch` of shape structs [*lead, T] (the trainer's fields and dtypes)."""
+    import jax
+    import jax.numpy as jnp
+
+    from espo import batching, types
+
+    S = lambda *shape, dt=jnp.float32: jax.ShapeDtypeStruct((*lead, *shape), dt)  # noqa: E731
+    trace = (model_cfg.num_layers, T, model_cfg.top_k)
+    return batching.TrainBatch(
+        tokens=S(T, dt=jnp.int32), attention_mask=S(T, dt=bool), loss_mask=S(T, dt=bool),
+        router=types.RouterTrace(expert_ids=S(*trace, dt=jnp.int32), expert_weights=S(*trace)),
+        sampler_logps=S(T), sampler_entropies=S(T), finished=S(dt=bool),
+        group_ids=S(dt=jnp.int32), rewards=S(), shaping=S(), valid=S(dt=bool),
+        old_logps=S(T), old_entropies=S(T), ref_logps=S(T), advantages=S(),
+        zvp_sign=S(dt=jnp.int32),
+    )  # fmt: skip
+
+
+def mesh_over(devices, sizes: dict):
+    """espo's mesh ("data", "fsdp", "expert") over `devices` with `sizes`."""
+    import jax
+    import numpy as np
+
+    from espo import sharding
+
+    dims = tuple(int(sizes.get(a, 1)) for a in sharding.AXES)
+    if math.prod(dims) != len(devices):
+        raise ValueError(f"mesh {sizes} is not the {len(devices)} devices of the target")
+    auto = (jax.sharding.AxisType.Auto,) * len(dims)
+    return jax.sharding.Mesh(np.array(devices).reshape(dims), sharding.AXES, axis_types=auto)
+
+
+def place(tree, shardings):
+    """Shape structs of `tree` carrying `shardings` (a tree or one sharding)."""
+    import jax
+
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    put = lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)  # noqa: E731
+    return jax.tree.map(put, tree, shardings)
+
+
+def per_device_bytes(tree) -> float:
+    """The bytes one device holds of placed shape structs (the largest shard; whole if unplaced)."""
+    import jax
+
+    shard = lambda a: a.shape if a.sharding is None else a.sharding.shard_shape(a.shape)  # noqa: E731
+    return float(sum(math.prod(shard(a)) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+
+
+def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
+    """name -> (jitted fn, placed args, {kind: per-device bytes of its args}, resident bytes).
+
+    `for_flops`: the model as XLA computes it (attention "blocked"), for `roofline.jaxpr_dots`."""
+    import jax
+    import jax.numpy as jnp
+
+    from espo import batching, quant, sampler, sharding, train_step, trainer
+    from espo.model import handle, transformer
+
+    if for_flops:
+        model_cfg = model_cfg.replace(attention_impl="blocked")
+    T, R = shp["T"], shp["micro_rows"]
+    # As the trainer: one update over the whole batch takes pi_old from that update's forward.
+    one_update = s.train.ppo_epochs == 1 and shp["updates"] == 1
+    sc = trainer.step_config(s, model_cfg, micro_batch_size=R, one_update=one_update)
+    optimizer, _ = train_step.make_optimizer(total_steps=1000, **dataclasses.asdict(s.optimizer))
+    params = transformer.param_shapes(model_cfg)
+
+    def make_state(p):
+        return train_step.TrainState(
+            step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p)
+        )
+
+    abstract = jax.eval_shape(make_state, params)
+    state = place(abstract, sharding.state_shardings(mesh, optimizer, abstract))
+    rows = sharding.batch_sharding(mesh)
+    sizes = dict(params=per_device_bytes(state.params), opt_state=per_device_bytes(state.opt_state))
+    out = {}
+
+    def update(state, mini):
+        return train_step.train_step(sc, optimizer, state, mini)
+
+    mini = place(abstract_batch(model_cfg, (1, R), T), sharding.batch_sharding(mesh, leading=1))
+    out["update"] = (
+        jax.jit(update, donate_argnums=(0,)),
+        (state, mini),
+        dict(sizes, inputs=per_device_bytes(mini)),
+        0.0,
+    )
+
+    def old(params, batch):
+        return train_step.prepare(sc, params, None, batch)
+
+    batch = place(abstract_batch(model_cfg, (R,), T), rows)
+    used = 0.0 if one_update else sizes["params"]  # fused: no pi_old forward, no params read
+    out["old"] = (
+        jax.jit(old),
+        (state.params, batch),
+        dict(params=used, opt_state=0.0, inputs=per_device_bytes(batch)),
+        sizes["params"] - used + sizes["opt_state"],
+    )
+
+    # The rollout: FP8 weights in the decode layout, placed as XLA places them from the
+    # training layout (the trainer's `fp8` jit), then one chunk of `sampler._sample_chunk`.
+    model = handle.Model(dataclasses.replace(model_cfg, dtype=s.rollout.dtype or model_cfg.dtype))
+
+    def to_decode(p):
+        if s.rollout.fp8:
+            p = quant.quantize_fp8(p, keep_dtype=model.cfg.dtype)
+        return model.decode_params(p)
+
+    dparams = jax.eval_shape(to_decode, params)
+    if not for_flops:  # placed as the compiler places them (a short compile)
+        with jax.set_mesh(mesh):
+            prep = jax.jit(to_decode).trace(state.params).lower().compile()
+        dparams = place(dparams, prep.output_shardings)
+    G, B = shp["G"], shp["chunk_rows"] // shp["G"]
+    prompts = jax.ShapeDtypeStruct((B, shp["Tp"]), jnp.int32, sharding=rows)
+    mask = jax.ShapeDtypeStruct((B, shp["Tp"]), bool, sharding=rows)
+    rep = sharding.replicated(mesh)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
+    budget = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+
+    def rollout(dparams, prompts, mask, key, budget):
+        return sampler._sample_chunk(
+            model, dparams, prompts, mask, key, budget, None, num_samples=G, gen_len=shp["Tg"],
+            temperature=1.0, top_p=1.0, top_k=0, stop_ids=(1,), pad_id=0, steps_per_check=1,
+        )  # fmt: skip
+
+    out["rollout"] = (
+        jax.jit(rollout),
+        (dparams, prompts, mask, key, budget),
+        dict(params=per_device_bytes(dparams), opt_state=0.0,
+             inputs=per_device_bytes((prompts, mask, key, budget))),
+        sizes["params"] + sizes["opt_state"],
+    )  # fmt: skip
+    del batching
+    return out
+
+
+def model_flops_per_token(cfg, context: float) -> dict:
+    """Model FLOPs of one token's forward (the MFU convention: 2 x active matmul params +
+    attention's 4 x layers x heads x head_dim x context), and the active parameter count."""
+    attn = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    moe = cfg.top_k * 3 * cfg.d_model * cfg.moe_ffn_dim + cfg.d_model * cfg.num_experts
+    moe += 3 * cfg.d_model * cfg.shared_expert_ffn_dim
+    dense = 3 * cfg.d_model * cfg.dense_ffn_dim
+    active = cfg.num_layers * attn + len(cfg.moe_layers) * moe + len(cfg.dense_layers) * dense
+    active += cfg.d_model * cfg.vocab_size  # the head (the embedding is a lookup)
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    return dict(active_params=active, forward=2 * active + attention)
+
+
+# ---- one mesh's programs compiled (a subprocess: its own XLA flags and device count) -------------
+def _decode_loop(closed_jaxpr):
+    """The body of the rollout's decode `while` (the largest while loop in the program)."""
+    from jax.extend import core as jex_core
+
+    best = None
+
+    def walk(jaxpr):
+        nonlocal best
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "while":
+                body = eqn.params["body_jaxpr"]
+                if best is None or len(body.jaxpr.eqns) > len(best.jaxpr.eqns):
+                    best = body
+            for v in eqn.params.values():
+                for sub in v if isinstance(v, tuple | list) else (v,):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        walk(sub)
+
+    walk(closed_jaxpr.jaxpr)
+    return best
+
+
+def measure(point: dict) -> dict:
+    """Compile `point`'s programs on its mesh; per program its per-device memory, matmul work
+    and collectives (module docstring)."""
+    import bench_memory
+
+    bench_memory._rss_watchdog(point["max_rss_gb"])
+    dump = tempfile.mkdtemp(prefix="aot_") if point.get("tpu") else ""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if point.get("gpus"):
+        flags += f" --xla_force_host_platform_device_count={point['gpus']}"
+    if dump:
+        flags += f" --xla_dump_to={dump}"
+    os.environ["XLA_FLAGS"] = flags
+    import jax
+    import roofline
+
+    from espo.model import moe
+
+    jax.config.update("jax_platforms", "cpu")
+    backend = contextlib.nullcontext()
+    if point.get("tpu"):
+        import bench_moe
+
+        devices = bench_moe.tpu_topology(point["tpu"]).devices
+        backend = bench_moe._as_tpu()
+    else:
+        devices = jax.devices()[: point["gpus"]]
+    chip = roofline.Chip(**point["chip"])
+    mesh = mesh_over(devices, point["mesh"])
+    s, cfg = settings_of(point["config"], tuple(point.get("set", ())))
+    shp = shapes_of(s, cfg, len(devices), point["rows_per_device"])
+    with backend:
+        progs = programs(s, cfg, mesh, shp)
+    flop_progs = programs(s, cfg, mesh, shp, for_flops=True)
+    out = dict(shapes=shp, devices=len(devices), programs={})
+    for name in point["programs"]:
+        fn, args, sizes, resident = progs[name]
+        row = dict(sizes, resident=resident)
+        t0 = time.perf_counter()
+        with backend, jax.set_mesh(mesh):
+            lowered = fn.trace(*args).lower()
+        try:
+            compiled = lowered.compile()
+        except Exception as e:  # noqa: BLE001
+            if not (point.get("tpu") and "RESOURCE_EXHAUSTED" in str(e)):
+                raise
+            compiled, row["refused"] = None, str(e).split("\n")[0][:200]  # the chip's HBM check
+        row["compile_s"] = time.perf_counter() - t0
+        if point.get("tpu"):  # the buffer assignment the chip's check adds up
+            got = bench_memory.allocation_sizes(dump, module=f"jit_{name}")
+            args_b, out_b, temp_b, alias_b = (
+                got["args_gib"] * GiB, got["out_gib"] * GiB, got["temp_gib"] * GiB, 0.0,
+            )  # fmt: skip
+        else:
+            mem = compiled.memory_analysis()
+            args_b, out_b = mem.argument_size_in_bytes, mem.output_size_in_bytes
+            temp_b, alias_b = mem.temp_size_in_bytes, mem.alias_size_in_bytes
+        # The inputs XLA keeps (jit drops unused ones: the update reads no ref_logps)
+        row["placed_inputs"], row["inputs"] = row["inputs"], args_b - sizes["params"]
+        row["inputs"] -= sizes["opt_state"]
+        row.update(
+            xla_args=args_b, temporaries=temp_b, outputs=out_b - alias_b,
+            total=args_b + temp_b + out_b - alias_b + resident,
+        )  # fmt: skip
+        # The rollout's one loop of unknown trip count is its decode loop: Tg steps.
+        trips = shp["Tg"] if name == "rollout" else 1
+        text = compiled.as_text() if compiled else ""
+        row["collectives"] = roofline.hlo_collectives(text, unknown_trip=trips) if text else {}
+        ffn, fargs, *_ = flop_progs[name]
+        # Counted as the dropless grouped matmul every accelerator path computes (CPU's default,
+        # "capacity", multiplies padding too).
+        with jax.set_mesh(mesh), mock.patch.object(moe, "default_impl", lambda *a, **k: "ragged"):
+            jaxpr = ffn.trace(*fargs).jaxpr
+        dots = roofline.jaxpr_dots(jaxpr)
+        row["flops"] = roofline.total_flops(dots)
+        row["matmul_s"] = roofline.roofline_seconds(dots, chip, devices=len(devices))
+        row["opaque"] = sum(1 for d in dots if "opaque" in d.where)
+        row["unknown_loops"] = sum(1 for d in dots if d.where.count(roofline.UNKNOWN_WHILE))
+        if name == "rollout":  # the decode loop's body: one decode step
+            step = roofline.jaxpr_dots(_decode_loop(jaxpr))
+            row["decode_flops"] = roofline.total_flops(step)
+            row["decode_matmul_s"] = roofline.roofline_seconds(step, chip, devices=len(devices))
+            row["unknown_loops"] -= len(step)
+        out["programs"][name] = row
+        if dump:  # the next program's dump only
+            for f in pathlib.Path(dump).glob("*"):
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
+    if dump:
+        shutil.rmtree(dump, ignore_errors=True)
+    return out
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+def static_bytes(s, model_cfg, sizes: tuple[int, int, int]) -> float:
+    """Params + optimiser state per device on a mesh of `sizes` (exact: their shardings)."""
+    import jax
+    import jax.numpy as jnp
+
+    from espo import sharding, train_step
+    from espo.model import transformer
+
+    mesh = sharding.abstract_mesh(sizes)
+    optimizer, _ = train_step.make_optimizer(total_steps=1000, **dataclasses.asdict(s.optimizer))
+    params = transformer.param_shapes(model_cfg)
+    abstract = jax.eval_shape(
+        lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), params
+    )
+    placed = place(abstract, sharding.state_shardings(mesh, optimizer, abstract))
+    return per_device_bytes(placed.params) + per_device_bytes(placed.opt_state)
+
+
+def candidate_meshes(s, model_cfg, devices: int, hbm: float) -> list[dict]:
+    """Every data x fsdp x expert of `devices` that divides the model (expert | experts, fsdp |
+    width) and whose params + optimiser state fit `hbm`, most sharded first."""
+    out = []
+    for e in (d for d in range(1, devices + 1) if devices % d == 0):
+        for f in (d for d in range(1, devices // e + 1) if (devices // e) % d == 0):
+            if model_cfg.num_experts % e or model_cfg.d_model % f:
+                continue
+            sizes = (devices // (e * f), f, e)
+            static = static_bytes(s, model_cfg, sizes)
+            if static < hbm:
+                mesh = dict(zip(("data", "fsdp", "expert"), sizes, strict=True))
+                out.append(dict(mesh=mesh, static=static))
+    # Least state first (to 1%); among equals the widest expert axis (the MoE's own parallelism:
+    # fsdp alone gathers every expert's weights for every layer), then the least data.
+    key = lambda c: (round(c["static"] / hbm, 2), -c["mesh"]["expert"], c["mesh"]["data"])  # noqa: E731
+    return sorted(out, key=key)
+
+
+def parse_mesh(text: str) -> dict:
+    """ "data=2,fsdp=1,expert=4" -> its sizes (missing axes 1)."""
+    sizes = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in ("data", "fsdp", "expert") or not value.isdigit():
+            raise SystemExit(f"--mesh: {item!r} is not data=N, fsdp=N or expert=N")
+        sizes[name] = int(value)
+    return {a: sizes.get(a, 1) for a in ("data", "fsdp", "expert")}
+
+
+def run_point(point: dict, timeout: float) -> dict:
+    """`measure(point)` in a subprocess."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), str(ROOT / "experiments"), env.get("PYTHONPATH", "")) if p
+    )
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--point", json.dumps(point)]
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    res = json.loads(lines[-1]) if lines else {}
+    if not res:
+        res = {"error": f"rc {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}"}
+    res["wall_s"] = time.perf_counter() - t
+    return res
+
+
+def step_projection(res: dict, cfg, chip, s) -> dict:
+    """One RL step's time, tokens/s per chip and the update's MFU from the programs' rooflines
+    (module docstring)."""
+    shp, n, progs = res["shapes"], res["devices"], res["programs"]
+
+    def seconds(row, matmul_s, collective_bytes):
+        return max(matmul_s, collective_bytes / chip.link_bw)
+
+    coll = lambda row: sum(c["bytes"] for c in row["collectives"].values())  # noqa: E731
+    rows, T = shp["step_rows"], shp["T"]
+    out = {}
+    if "update" in progs:
+        u = progs["update"]
+        micro = math.ceil(rows / shp["micro_rows"]) * shp["epochs"]
+        out["update_s"] = micro * seconds(u, u["matmul_s"], coll(u))
+        model = model_flops_per_token(cfg, context=T / 2)["forward"] * 3 * shp["micro_rows"] * T
+        out["update_mfu"] = model / (n * chip.peak_flops * seconds(u, u["matmul_s"], coll(u)))
+    if "old" in progs:
+        o = progs["old"]
+        out["old_s"] = math.ceil(rows / shp["micro_rows"]) * seconds(o, o["matmul_s"], coll(o))
+    if "rollout" in progs:
+        r = progs["rollout"]
+        steps = shp["Tg"] - 1  # the loop body is counted once in the program's own figures
+        matmul = r["matmul_s"] + steps * r["decode_matmul_s"]
+        out["rollout_s"] = math.ceil(rows / shp["chunk_rows"]) * seconds(r, matmul, coll(r))
+    out["step_s"] = sum(out.get(k, 0.0) for k in ("update_s", "old_s", "rollout_s"))
+    out["tokens_per_s_per_chip"] = rows * T / (out["step_s"] * n) if out["step_s"] else None
+    return out
+
+
+def this_cpu():
+    """This host as a roofline `Chip`: float32 matmul FLOP/s and memory read bandwidth measured
+    now (a jitted [2048, 2048] product, median of 5; `bench_rollout.read_bandwidth_gbs`), for
+    checking the projection against a step measured here."""
+    import bench_rollout
+    import jax
+    import jax.numpy as jnp
+    import roofline
+
+    a = jnp.ones((2048, 2048), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(mm(a))
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(mm(a))
+        times.append(time.perf_counter() - t)
+    peak = 2 * 2048**3 / sorted(times)[2]
+    bw = bench_rollout.read_bandwidth_gbs() * 1e9
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    print(f"this CPU: {peak / 1e9:.1f} GFLOP/s (f32 matmul), {bw / 1e9:.1f} GB/s read")
+    return roofline.Chip(
+        name="cpu", peak_flops=peak, hbm_bytes=ram, hbm_bw=bw, link_bw=bw,
+        source="measured in this run (aot.this_cpu)",
+    )  # fmt: skip
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / GiB:.3g}"
+
+
+def fits(res: dict, hbm: float) -> dict[str, bool]:
+    """Per program of one mesh's result: does it fit `hbm` bytes a device (and was it not
+    refused by the chip's compiler)? Empty when the mesh failed to compile."""
+    programs = {} if res.get("error") else res["programs"]
+    return {k: r["total"] <= hbm and not r.get("refused") for k, r in programs.items()}
+
+
+def flops_per_token(res: dict, prog: str) -> float:
+    """A program's matmul FLOPs per token it processes: a micro-batch's rows x T for the update
+    and pi_old, a chunk's rows x T (prefill + every decode step) for the rollout."""
+    r, shp = res["programs"][prog], res["shapes"]
+    if prog == "rollout":
+        total = r["flops"] + (shp["Tg"] - 1) * r["decode_flops"]
+        return total / (shp["chunk_rows"] * shp["T"])
+    return r["flops"] / (shp["micro_rows"] * shp["T"])
+
+
+def print_rows(res: dict, mesh: dict, hbm: float) -> bool:
+    """The table rows of one mesh; True when every program fits."""
+    name = ",".join(f"{k}={v}" for k, v in mesh.items())
+    if res.get("error"):
+        print(f"| {name} | {res['error'][:300]} |", flush=True)
+        return False
+    verdicts = fits(res, hbm)
+    for prog, r in res["programs"].items():
+        ok = verdicts[prog]
+        coll = sum(c["bytes"] for c in r["collectives"].values())
+        verdict = ("fits" if ok else "does not fit") + f" ({(hbm - r['total']) / GiB:+.3g})"
+        if r.get("refused"):
+            verdict += " refused"
+        print(
+            f"| {name} | {prog} | {_gib(r['params'])} | {_gib(r['opt_state'])} | "
+            f"{_gib(r['inputs'])} | {_gib(r['temporaries'])} | {_gib(r['outputs'])} | "
+            f"{_gib(r['resident'])} | {_gib(r['total'])} | {verdict} | "
+            f"{flops_per_token(res, prog):.3g} | "
+            f"{coll / GiB:.3g} | {r['matmul_s'] * 1e3:.3g} | {r['compile_s']:.0f} |",
+            flush=True,
+        )
+        unknown = r.get("unknown_loops", 0) + sum(
+            c.get("in_unknown_loop", 0) for c in r["collectives"].values()
+        ) * (prog != "rollout")
+        if unknown or r.get("opaque"):
+            print(f"|   | {prog}: {r.get('opaque', 0)} kernels not counted, {unknown} matmuls / "
+                  "collectives in loops of unknown trip count counted once |")  # fmt: skip
+    return all(verdicts.values())
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", default="", help="path[:variant] of a config file (required)")
+    p.add_argument(
+        "--set", action="append", default=[], help="a config override key=value (repeatable)"
+    )
+    p.add_argument("--tpu", default="", help="a TPU topology (v5p:2x2x4; libtpu on PYTHONPATH)")
+    p.add_argument("--gpus", type=int, default=0, help="a GPU node of this many devices")
+    p.add_argument(
+        "--chip", default="", help="roofline chip: roofline.CHIPS or cpu (measured; default: the "
+        "TPU's, or h100)",
+    )  # fmt: skip
+    p.add_argument("--hbm-gib", type=float, default=0.0, help="HBM per device (default: chip's)")
+    p.add_argument("--mesh", default="", help="one mesh (data=N,fsdp=N,expert=N); else searched")
+    p.add_argument("--programs", default=",".join(PROGRAMS), help="comma-separated")
+    p.add_argument("--rows-per-device", type=int, default=0, help="rows of T per micro-batch")
+    p.add_argument(
+        "--max-meshes", type=int, default=3, help="search: compile this many, keep the fastest fit"
+    )
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per mesh")
+    p.add_argument("--max-rss-gb", type=float, default=18.0, help="stop a compile past this RSS")
+    p.add_argument("--json", default="", help="write every mesh's result here")
+    p.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: one mesh
+    args = p.parse_args(argv)
+    if args.point:
+        try:
+            print(json.dumps(measure(json.loads(args.point))), flush=True)
+        except Exception as e:  # noqa: BLE001  # reported in the table, not a traceback
+            print(json.dumps({"error": f"{type(e).__name__}: {e}"[:600]}), flush=True)
+        return {}
+    # This process only reads shapes: the CPU backend (libtpu, if on the path, would take the
+    # TPU lockfile the compiling subprocess needs).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not args.config:
+        raise SystemExit("--config is required: path[:variant] of a config file")
+    if bool(args.tpu) == bool(args.gpus):
+        raise SystemExit("give one target: --tpu <topology> or --gpus <count>")
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import roofline
+
+    if args.tpu:
+        gen, _, dims = args.tpu.partition(":")
+        devices = math.prod(int(d) for d in dims.split("x"))
+    else:
+        gen, devices = "h100", args.gpus
+    chip = this_cpu() if args.chip == "cpu" else roofline.CHIPS[args.chip or gen]
+    hbm = args.hbm_gib * GiB if args.hbm_gib else chip.hbm_bytes
+    s, cfg = settings_of(args.config, tuple(args.set))
+    if args.mesh:
+        meshes = [dict(mesh=parse_mesh(args.mesh), static=static_bytes(
+            s, cfg, tuple(parse_mesh(args.mesh).values())))]  # fmt: skip
+    else:
+        meshes = candidate_meshes(s, cfg, devices, hbm)
+        listed = ", ".join(f"{tuple(m['mesh'].values())} {m['static'] / GiB:.1f}" for m in meshes)
+        print(f"{len(meshes)} meshes whose state fits {hbm / GiB:.1f} GiB: {listed}")
+    target = args.tpu or f"{args.gpus} x {chip.name} (emulated: XLA:CPU)"
+    print(f"\n{args.config} on {target}, {hbm / GiB:.1f} GiB a device; GiB per device\n")
+    print("| mesh | program | params | opt state | inputs | temporaries | outputs | resident |"
+          " total | vs HBM | FLOPs/token | collectives GiB | matmul ms | compile s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    results, chosen = [], None
+    for m in meshes[: args.max_meshes]:
+        point = dict(
+            config=args.config, set=args.set, tpu=args.tpu, gpus=args.gpus,
+            chip=dataclasses.asdict(chip),
+            mesh=m["mesh"],
+            programs=args.programs.split(","), rows_per_device=args.rows_per_device,
+            max_rss_gb=args.max_rss_gb,
+        )  # fmt: skip
+        res = run_point(point, args.timeout)
+        res["mesh"] = m["mesh"]
+        results.append(res)
+        if print_rows(res, m["mesh"], hbm):
+            res["projection"] = step_projection(res, cfg, chip, s)
+            best = chosen and chosen["projection"]["tokens_per_s_per_chip"]
+            if not best or res["projection"]["tokens_per_s_per_chip"] > best:
+                chosen = res
+    summary = dict(config=args.config, target=target, hbm=hbm, results=results)
+    if chosen is None:
+        print("\nno mesh tried fits every program")
+    else:
+        proj = chosen["projection"]
+        summary["projection"] = dict(mesh=chosen["mesh"], **proj)
+        shp = chosen["shapes"]
+    if chosen is not None and proj["tokens_per_s_per_chip"]:
+        print(
+            f"\nfits: mesh {chosen['mesh']}. One RL step ({shp['step_rows']} rows of "
+            f"{shp['T']} tokens): update {proj.get('update_s', 0):.1f} s, pi_old "
+            f"{proj.get('old_s', 0):.1f} s, rollout {proj.get('rollout_s', 0):.1f} s; "
+            f"{proj['tokens_per_s_per_chip']:.0f} tokens/s per chip; the update's MFU "
+            f"{proj.get('update_mfu', 0):.2f} (roofline: an upper bound)"
+        )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

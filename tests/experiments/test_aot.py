@@ -1,0 +1,146 @@
+"""experiments/aot.py: the presets' shapes, the memory breakdown against XLA's, the fit verdict,
+the mesh search and the step projection."""
+
+import math
+import pathlib
+import sys
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+import aot  # noqa: E402
+import roofline  # noqa: E402
+
+from espo.model import transformer  # noqa: E402
+from espo.model.config import ModelConfig  # noqa: E402
+
+GiB = 2**30
+
+
+def _param_count(cfg) -> int:
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(transformer.param_shapes(cfg)))
+
+
+@pytest.mark.parametrize(
+    "preset, total, active",  # Qwen3 technical report: total and activated parameters
+    [("qwen3_30b_a3b", 30.5e9, 3.3e9), ("qwen3_235b_a22b", 235e9, 22e9)],
+)
+def test_presets_have_the_published_parameter_counts(preset, total, active):
+    cfg = getattr(ModelConfig, preset)()
+    assert _param_count(cfg) == pytest.approx(total, rel=0.01)
+    embedding = cfg.vocab_size * cfg.d_model  # "activated" counts the embedding too
+    got = aot.model_flops_per_token(cfg, context=0)["active_params"] + embedding
+    assert got == pytest.approx(active, rel=0.02)
+
+
+def test_config_presets_build_the_real_shapes():
+    """The qwen3_moe presets: the architecture, T, rows a step and the reasoning-length settings."""
+    s, cfg = aot.settings_of("configs/qwen3_moe.py:30b_a3b_long")
+    assert cfg == ModelConfig.qwen3_30b_a3b(remat="full", moe_chunk=4096)
+    shp = aot.shapes_of(s, cfg, devices=8)
+    assert (shp["T"], shp["rows_per_device"], shp["step_rows"]) == (32768, 1, 512)
+    assert shp["chunk_rows"] % 8 == 0 and shp["chunk_rows"] % shp["G"] == 0
+    s, cfg = aot.settings_of("configs/qwen3_moe.py:235b_a22b")
+    assert cfg.num_layers == 94 and aot.shapes_of(s, cfg, devices=64)["T"] == 8192
+
+
+def test_static_bytes_and_the_mesh_search():
+    """Params + Adam's two moments, per device: the whole f32 state unsharded, and meshes whose
+    state cannot fit the HBM are not tried (the tiny model: 4 experts, width 32)."""
+    s, cfg = aot.settings_of("configs/default.py:tiny")
+    whole = 3 * 4 * _param_count(cfg)  # float32 params, mu and nu
+    assert aot.static_bytes(s, cfg, (8, 1, 1)) == pytest.approx(whole, rel=1e-3)
+    assert aot.static_bytes(s, cfg, (1, 2, 4)) < whole / 3  # norms stay replicated
+    tried = aot.candidate_meshes(s, cfg, 8, hbm=whole / 2)
+    assert tried and all(c["static"] < whole / 2 for c in tried)
+    assert {"data": 8, "fsdp": 1, "expert": 1} not in [c["mesh"] for c in tried]
+    least = min(c["static"] for c in tried)  # least state first, then the widest expert axis
+    ties = [
+        c for c in tried if round(c["static"] / (whole / 2), 2) == round(least / (whole / 2), 2)
+    ]
+    assert tried[0] == max(ties, key=lambda c: c["mesh"]["expert"])
+    every = aot.candidate_meshes(s, cfg, 8, hbm=whole * 2)
+    assert {"data": 8, "fsdp": 1, "expert": 1} in [c["mesh"] for c in every]
+    assert all(cfg.num_experts % c["mesh"]["expert"] == 0 for c in every)
+
+
+@pytest.fixture(scope="module")
+def two_devices(tmp_path_factory):
+    """The tiny config's three programs on 2 emulated devices (fsdp=2), two updates a step (a
+    pi_old forward of its own, as the presets)."""
+    out = tmp_path_factory.mktemp("aot")
+    args = ["--config", "configs/default.py:tiny", "--gpus", "2", "--mesh", "fsdp=2"]
+    return aot.main([*args, "--set", "train.ppo_epochs=2", "--json", str(out / "fits.json")])
+
+
+def test_one_update_a_step_has_no_pi_old_forward():
+    """One update over the whole batch (the tiny config): pi_old is that update's own forward
+    (`StepConfig.fused_old_logps`), so the pi_old program reads no params."""
+    args = ["--config", "configs/default.py:tiny", "--gpus", "1", "--programs", "old"]
+    (res,) = aot.main(args)["results"]
+    old = res["programs"]["old"]
+    assert old["params"] == 0 and old["flops"] == 0
+    assert old["resident"] == pytest.approx(aot.static_bytes(*aot.settings_of(args[1]), (1, 1, 1)))
+    assert old["inputs"] >= 0
+
+
+def test_breakdown_adds_up_to_xla(two_devices):
+    (res,) = two_devices["results"]
+    assert not res.get("error"), res.get("error")
+    for name, row in res["programs"].items():
+        parts = ("params", "opt_state", "inputs", "temporaries", "outputs", "resident")
+        assert sum(row[k] for k in parts) == pytest.approx(row["total"]), name
+        # XLA's arguments: the params and optimiser state (exact, from their shardings) and
+        # the inputs it keeps of those placed
+        assert 0 <= row["inputs"] <= row["placed_inputs"] * (1 + 1e-6), name
+    up, old, roll = (res["programs"][k] for k in ("update", "old", "rollout"))
+    assert up["opt_state"] == pytest.approx(2 * up["params"], rel=1e-3)  # Adam's mu and nu
+    assert old["resident"] == up["opt_state"]  # the state pi_old does not take
+    assert up["flops"] > 3 * old["flops"] * 0.9  # forward + backward (+ remat) vs a forward
+    assert roll["resident"] == pytest.approx(up["params"] + up["opt_state"])
+    assert roll["params"] < up["params"] / 2  # FP8 weights (f32 training params)
+    assert "projection" in two_devices and two_devices["projection"]["tokens_per_s_per_chip"] > 0
+
+
+def test_a_config_that_cannot_fit_is_reported_as_such(two_devices):
+    (res,) = two_devices["results"]
+    total = max(r["total"] for r in res["programs"].values())
+    assert all(aot.fits(res, hbm=total).values())
+    smaller = aot.fits(res, hbm=total - 1)
+    assert not all(smaller.values()) and set(smaller) == {"update", "old", "rollout"}
+    refused = dict(res, programs={"update": dict(res["programs"]["update"], refused="HBM")})
+    assert aot.fits(refused, hbm=total) == {"update": False}  # the TPU compiler said no
+    assert aot.fits({"error": "timeout"}, hbm=total) == {}
+
+
+def test_step_projection_counts_every_micro_batch_chunk_and_decode_step():
+    chip = roofline.CHIPS["h100"]
+    shapes = dict(T=100, Tg=60, micro_rows=4, step_rows=32, chunk_rows=16, epochs=2)
+    row = lambda **kw: dict(dict(matmul_s=1.0, collectives={}), **kw)  # noqa: E731
+    res = dict(
+        shapes=shapes, devices=4,
+        programs=dict(update=row(), old=row(matmul_s=0.5),
+                      rollout=row(matmul_s=0.3, decode_matmul_s=0.01)),
+    )  # fmt: skip
+    cfg = ModelConfig.tiny()
+    p = aot.step_projection(res, cfg, chip, None)
+    assert p["update_s"] == pytest.approx(8 * 2 * 1.0)  # 8 micro-batches x 2 epochs
+    assert p["old_s"] == pytest.approx(8 * 0.5)
+    assert p["rollout_s"] == pytest.approx(2 * (0.3 + 59 * 0.01))  # 2 chunks
+    assert p["tokens_per_s_per_chip"] == pytest.approx(32 * 100 / (p["step_s"] * 4))
+    # Collectives slower than the matmuls bind the update.
+    slow = {"all-gather": dict(count=1, bytes=3.0 * chip.link_bw)}
+    res["programs"]["update"] = row(collectives=slow)
+    assert aot.step_projection(res, cfg, chip, None)["update_s"] == pytest.approx(8 * 2 * 3.0)
+
+
+def test_flops_per_token_counts_every_decode_step_of_a_chunk():
+    shapes = dict(T=100, Tg=60, micro_rows=4, chunk_rows=16)
+    res = dict(
+        shapes=shapes,
+        programs=dict(update=dict(flops=4e6), rollout=dict(flops=5e6, decode_flops=1e4)),
+    )
+    assert aot.flops_per_token(res, "update") == pytest.approx(4e6 / 400)
+    assert aot.flops_per_token(res, "rollout") == pytest.approx((5e6 + 59 * 1e4) / 1600)
