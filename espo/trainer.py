@@ -63,11 +63,20 @@ HOST_FORMAT = "espo.trainer.v2"  # v2: + the resample buffer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def initial_model(s: config_lib.Settings, key) -> tuple[model_lib.ModelConfig, dict]:
+def initial_model(
+    s: config_lib.Settings, key, *, mesh: jax.sharding.Mesh | None = None
+) -> tuple[model_lib.ModelConfig, dict]:
     """The model a run of settings `s` starts from: a Hugging Face checkpoint (`model.hf_path`),
-    an espo run's newest params (`model.init_from`), or a random init from `key`."""
+    an espo run's newest params (`model.init_from`), or a random init from `key`.
+
+    With `mesh`, a checkpoint is read straight into the run's parameter shardings
+    (`sharding.param_shardings`, as `state_shardings` places them): each process reads only
+    the slices its devices hold, never the whole checkpoint."""
     if s.hf_path:  # the architecture from the checkpoint, how to compute it from the run
-        cfg, params = model_lib.load_hf_checkpoint(s.hf_path)
+        shardings = None
+        if mesh is not None:
+            shardings = lambda cfg: sharding.param_shardings(mesh, model_lib.param_shapes(cfg))
+        cfg, params = model_lib.load_hf_checkpoint(s.hf_path, shardings=shardings)
         return cfg.replace(**s.compute), params
     if s.init_from:
         return s.model, params_of_run(s.init_from, s.model)
@@ -273,7 +282,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
 
     # ---- model and tokenizer ------------------------------------------------------------------
     tok = tokenizer_lib.load_tokenizer(s.hf_path)
-    model_cfg, params = initial_model(s, jax.random.fold_in(root, 0))
+    model_cfg, params = initial_model(s, jax.random.fold_in(root, 0), mesh=mesh)
     tokenizer_lib.check_vocab(tok, model_cfg.vocab_size)
     loss_cfg = s.loss_config(model_cfg.vocab_size)
     handle = model_lib.Model(model_cfg)
@@ -738,11 +747,14 @@ def _finish(s, workdir, host, final_eval, handle, state, tok, wall_s, replicated
     from espo import plots
 
     summary = dict(start=host.start_eval, final=final_eval, steps=s.train.steps, wall_s=wall_s)
-    # Every process takes part in gathering the params (sharded over all of them); process 0
-    # alone writes.
+    # One process: the sharded params as they are (save_hf_checkpoint brings one layer slice at
+    # a time to the host). Several: every process takes part in gathering them (sharded over all
+    # of them); process 0 alone writes.
     params = None
     if s.hf_path and not (workdir / "export").exists():
-        params = jax.device_get(jax.jit(lambda p: p, out_shardings=replicated)(state.params))
+        params = state.params
+        if jax.process_count() > 1:
+            params = jax.device_get(jax.jit(lambda p: p, out_shardings=replicated)(params))
     if jax.process_index() != 0:
         return summary
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,20 +1,28 @@
 """Hugging Face interop: load / save Qwen3-MoE and Mixtral safetensors checkpoints.
 
 One table (`_layer_specs`) maps every espo parameter to its Hugging Face tensor name(s) and the
-layout change between them; loading and saving both read it, so the two directions cannot drift.
-Loading reads tensor by tensor into preallocated stacked arrays (no second full copy); every
-missing, unexpected or mis-shaped tensor raises `CheckpointError` naming the file and the key.
-Expert weights are read as written on disk by transformers (per-expert `experts.{e}.*` tensors;
-the fused `experts.gate_up_proj` / `experts.down_proj` layout is accepted too).
+layout change between them (a transpose, attention heads split out of a dimension); loading and
+saving both read it, so the two directions cannot drift. Every tensor is checked against the
+files' headers before any is read: a missing, unexpected or mis-shaped tensor raises
+`CheckpointError` naming the file and the key. Loading reads blocks (`safe_open(...).get_slice`)
+one HF tensor at a time into the stacked [L, (E,) ...] leaves; with target shardings each device's
+block is read through the layout change (a device's slice of an espo leaf is a slice of each HF
+tensor it covers), so a process reads its share of the checkpoint, never the whole. Saving
+writes one shard file at a time, converting only that file's tensors. Expert weights are read
+as written on disk by transformers (per-expert `experts.{e}.*` tensors; the fused
+`experts.gate_up_proj` / `experts.down_proj` layout is accepted too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -175,71 +183,99 @@ def _check_exportable(cfg: config_lib.ModelConfig, arch: str):
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
-    """One espo leaf (per layer, optionally per expert) and its Hugging Face tensor."""
+    """One espo leaf (per layer, optionally per expert) and its Hugging Face tensor.
+
+    The espo item (one layer's, or one expert's, part of the leaf) is the HF tensor, transposed
+    when `transpose`, with axis `split` of that cut into (-1, `inner`) (attention heads). `read`
+    maps a slice of the item back to the block of the HF tensor that holds it, so a loader reads
+    only what a device needs."""
 
     path: tuple[str, ...]  # path inside the block (or the top-level tree when not per-layer)
     hf_name: str  # with {layer} and {expert} placeholders
-    to_espo: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    transpose: bool = False
+    split: int | None = None  # axis of the (transposed) HF tensor cut into (heads, inner)
+    inner: int = 1
     per_expert: bool = False
 
+    def _merged_shape(self, item_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The item's shape with the split axes merged: the HF tensor's, transposed or not."""
+        shape = list(item_shape)
+        if self.split is not None:
+            a = self.split
+            shape[a : a + 2] = [shape[a] * shape[a + 1]]
+        return tuple(shape)
 
-def _identity(a):
-    return a
+    def hf_shape(self, item_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = self._merged_shape(item_shape)
+        return shape[::-1] if self.transpose else shape
 
+    def read(self, index: tuple[slice, ...], read_hf: Callable) -> np.ndarray:
+        """item[index] (`index`: one slice per item axis, int start and stop, step 1), from
+        `read_hf(hf_index)`, which returns that block of the HF tensor. A split axis is read in
+        whole heads and cut afterwards (`espo.sharding` never splits head_dim)."""
+        merged = list(index)
+        if self.split is not None:
+            heads = index[self.split]
+            merged[self.split : self.split + 2] = [
+                slice(heads.start * self.inner, heads.stop * self.inner)
+            ]
+        block = read_hf(tuple(reversed(merged)) if self.transpose else tuple(merged))
+        if self.transpose:
+            block = block.T
+        if self.split is not None:
+            a = self.split
+            block = block.reshape(*block.shape[:a], -1, self.inner, *block.shape[a + 1 :])
+            block = block[(slice(None),) * (a + 1) + (index[a + 1],)]
+        return block  # a view: the caller copies it into its block of the leaf
 
-def _transpose(a):
-    return np.ascontiguousarray(a.T)
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        """The HF tensor of the whole espo item `a`."""
+        a = a.reshape(self._merged_shape(a.shape))
+        return np.ascontiguousarray(a.T if self.transpose else a)
 
 
 def _layer_specs(cfg: config_lib.ModelConfig, arch: str, is_moe: bool) -> list[_Spec]:
-    D, H, N, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    heads_in = lambda n: lambda a: np.ascontiguousarray(a.T.reshape(D, n, Dh))
-    heads_out = lambda a: np.ascontiguousarray(a.reshape(D, -1).T)
+    Dh = cfg.head_dim
+    # q/k/v: [n * Dh, D] on disk -> [D, n, Dh]; o: [D, H * Dh] -> [H, Dh, D].
+    heads_in = dict(transpose=True, split=1, inner=Dh)
     attn = "model.layers.{layer}.self_attn."
     specs = [
-        _Spec(("input_norm", "scale"), "model.layers.{layer}.input_layernorm.weight",
-              _identity, _identity),
-        _Spec(("post_attn_norm", "scale"), "model.layers.{layer}.post_attention_layernorm.weight",
-              _identity, _identity),
-        _Spec(("attn", "q_proj"), attn + "q_proj.weight", heads_in(H), heads_out),
-        _Spec(("attn", "k_proj"), attn + "k_proj.weight", heads_in(N), heads_out),
-        _Spec(("attn", "v_proj"), attn + "v_proj.weight", heads_in(N), heads_out),
-        _Spec(("attn", "o_proj"), attn + "o_proj.weight",
-              lambda a: np.ascontiguousarray(a.T.reshape(H, Dh, D)),
-              lambda a: np.ascontiguousarray(a.reshape(H * Dh, D).T)),
-    ]  # fmt: skip
+        _Spec(("input_norm", "scale"), "model.layers.{layer}.input_layernorm.weight"),
+        _Spec(("post_attn_norm", "scale"), "model.layers.{layer}.post_attention_layernorm.weight"),
+        _Spec(("attn", "q_proj"), attn + "q_proj.weight", **heads_in),
+        _Spec(("attn", "k_proj"), attn + "k_proj.weight", **heads_in),
+        _Spec(("attn", "v_proj"), attn + "v_proj.weight", **heads_in),
+        _Spec(("attn", "o_proj"), attn + "o_proj.weight", transpose=True, split=0, inner=Dh),
+    ]
     if cfg.qk_norm:
         specs += [
-            _Spec(("attn", "q_norm", "scale"), attn + "q_norm.weight", _identity, _identity),
-            _Spec(("attn", "k_norm", "scale"), attn + "k_norm.weight", _identity, _identity),
+            _Spec(("attn", "q_norm", "scale"), attn + "q_norm.weight"),
+            _Spec(("attn", "k_norm", "scale"), attn + "k_norm.weight"),
         ]
     if not is_moe:
         mlp = "model.layers.{layer}.mlp."
         return specs + [
-            _Spec(("mlp", name), mlp + f"{name}.weight", _transpose, _transpose)
+            _Spec(("mlp", name), mlp + f"{name}.weight", transpose=True)
             for name in ("gate_proj", "up_proj", "down_proj")
         ]
     if arch == MIXTRAL:
         moe, names = "model.layers.{layer}.block_sparse_moe.", ("w1", "w3", "w2")
     else:
         moe, names = "model.layers.{layer}.mlp.", ("gate_proj", "up_proj", "down_proj")
-    specs.append(_Spec(("moe", "router"), moe + "gate.weight", _transpose, _transpose))
+    specs.append(_Spec(("moe", "router"), moe + "gate.weight", transpose=True))
     for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), names, strict=True):
-        specs.append(
-            _Spec(("moe", ours), moe + "experts.{expert}." + theirs + ".weight",
-                  _transpose, _transpose, per_expert=True)
-        )  # fmt: skip
+        name = moe + "experts.{expert}." + theirs + ".weight"
+        specs.append(_Spec(("moe", ours), name, transpose=True, per_expert=True))
     return specs
 
 
 def _top_specs(cfg: config_lib.ModelConfig) -> list[_Spec]:
     specs = [
-        _Spec(("embed",), "model.embed_tokens.weight", _identity, _identity),
-        _Spec(("final_norm", "scale"), "model.norm.weight", _identity, _identity),
+        _Spec(("embed",), "model.embed_tokens.weight"),
+        _Spec(("final_norm", "scale"), "model.norm.weight"),
     ]
     if not cfg.tie_embeddings:
-        specs.append(_Spec(("lm_head",), "lm_head.weight", _transpose, _transpose))
+        specs.append(_Spec(("lm_head",), "lm_head.weight", transpose=True))
     return specs
 
 
@@ -253,6 +289,23 @@ def _set(tree, path, value):
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
+
+
+def _full_index(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
+
+
+def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """`index` (slices, as `jax.make_array_from_callback` passes them; missing trailing axes
+    whole) with int start and stop."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    out = []
+    for s, n in zip(index, shape, strict=True):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"index {index} of an array of shape {shape}: steps must be 1")
+        out.append(slice(start, stop))
+    return tuple(out)
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -278,7 +331,8 @@ def _open_safetensors(file: pathlib.Path):
 
 
 class _TensorFiles:
-    """Name -> file index over one or many safetensors files; reads one tensor at a time."""
+    """Name -> file index over one or many safetensors files; reads blocks of tensors
+    (`get_slice`: only the bytes of the block are copied out of the file)."""
 
     def __init__(self, path: pathlib.Path):
         index_file = path / "model.safetensors.index.json"
@@ -300,40 +354,190 @@ class _TensorFiles:
                     self.where.update(dict.fromkeys(handle.keys(), f))
             self.source = str(path)
         self.used: set[str] = set()
+        self._handles: dict[pathlib.Path, object] | None = None  # while `opened`
+        self._stack: contextlib.ExitStack | None = None
 
     def __contains__(self, name):
         return name in self.where
 
-    def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    @contextlib.contextmanager
+    def opened(self):
+        """Inside the block each file is opened once, not once per read; closed after it (the
+        loader opens one block per parameter, so no handle or file mapping outlives it)."""
+        if self._handles is not None:
+            yield
+            return
+        self._handles = {}
+        try:
+            with contextlib.ExitStack() as stack:
+                self._stack = stack
+                yield
+        finally:
+            self._handles = self._stack = None
+
+    def _handle(self, file: pathlib.Path):
+        if self._handles is None:
+            raise RuntimeError("_TensorFiles: read outside `opened()`")
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(_open_safetensors(file))
+        return self._handles[file]
+
+    def _slice(self, name: str):
+        file = self.where[name]
+        try:
+            return self._handle(file).get_slice(name)
+        except safetensors.SafetensorError as e:
+            raise CheckpointError(str(file), name, valid=f"a readable tensor ({e})") from e
+
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        """`name` is in the checkpoint with this shape (read from the file's header only)."""
         if name not in self.where:
             raise CheckpointError(self.source, name, valid=f"a tensor of shape {shape}")
-        file = self.where[name]
-        with _open_safetensors(file) as handle:
-            try:
-                tensor = handle.get_tensor(name)
-            except safetensors.SafetensorError as e:
-                raise CheckpointError(str(file), name, valid=f"a readable tensor ({e})") from e
-        if tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(
-                str(file), f"{name}.shape", tuple(tensor.shape), f"{tuple(shape)}"
-            )
+        got = tuple(self._slice(name).get_shape())
+        if got != tuple(shape):
+            raise CheckpointError(str(self.where[name]), f"{name}.shape", got, f"{tuple(shape)}")
         self.used.add(name)
-        return tensor
+
+    def read(self, name: str, index: tuple) -> np.ndarray:
+        """tensor[index] of a `check`ed tensor."""
+        try:
+            return self._slice(name)[index]
+        except safetensors.SafetensorError as e:
+            file = str(self.where[name])
+            raise CheckpointError(file, name, valid=f"a readable tensor ({e})") from e
 
 
-def load_hf_checkpoint(
-    path: str | os.PathLike, *, dtype: config_lib.DTypeLike | None = None
-) -> tuple[config_lib.ModelConfig, dict]:
-    """(ModelConfig, params) from a local Hugging Face checkpoint directory.
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where one espo item's HF tensor is: `name[*at, offset + i, ...]` is its row i (a tensor of
+    its own: at () and offset 0; one expert of a fused tensor: at (e,), offset its part's)."""
 
-    Args:
-      path: a directory holding `config.json` and `*.safetensors` (optionally sharded with
-        `model.safetensors.index.json`).
-      dtype: parameter (and compute) dtype in any spelling `config.dtype_name` accepts
-        ("bfloat16", jnp.bfloat16, np.float32, jnp.dtype("float32")); default: the checkpoint's
-        own when it is float32 or bfloat16, else float32.
-    """
-    path = pathlib.Path(path)
+    name: str
+    at: tuple[int, ...] = ()
+    offset: int = 0
+
+    def index(self, hf_index: tuple[slice, ...]) -> tuple:
+        first, *rest = hf_index
+        return (*self.at, slice(first.start + self.offset, first.stop + self.offset), *rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One espo parameter and the sources of its items: one `_Source` for a top-level leaf,
+    else one per layer of the run (a tuple of one per expert for expert weights)."""
+
+    path: tuple[str, ...]  # in the params tree
+    spec: _Spec
+    shape: tuple[int, ...]  # [(n, (E,)) ...]
+    sources: _Source | tuple
+
+    def read(self, files: _TensorFiles, index: tuple[slice, ...], dtype) -> np.ndarray:
+        """self[index] as a host array of `dtype`, reading from `files` only the blocks of the
+        HF tensors it covers, one item (a layer's, an expert's) at a time: the peak is the
+        result plus one HF block."""
+        index = _normalize(index, self.shape)
+        out = np.empty(tuple(s.stop - s.start for s in index), dtype)
+        spec = self.spec
+
+        def item(source, where):
+            out[where] = spec.read(
+                index[len(where) :], lambda i: files.read(source.name, source.index(i))
+            )
+
+        with files.opened():
+            if isinstance(self.sources, _Source):
+                item(self.sources, ())
+                return out
+            layers = index[0]
+            for j in range(layers.start, layers.stop):
+                if not spec.per_expert:
+                    item(self.sources[j], (j - layers.start,))
+                    continue
+                for e in range(index[1].start, index[1].stop):
+                    item(self.sources[j][e], (j - layers.start, e - index[1].start))
+        return out
+
+
+def _plan(cfg: config_lib.ModelConfig, arch: str, files: _TensorFiles, shapes: dict) -> list:
+    """Every `_Leaf` of `cfg`'s params, each tensor they read checked first (present, of its
+    shape: a missing or mis-shaped one raises CheckpointError before anything is read)."""
+    leaves = []
+    for spec in _top_specs(cfg):
+        shape = _get(shapes, spec.path).shape
+        files.check(spec.hf_name, spec.hf_shape(shape))
+        leaves.append(_Leaf(spec.path, spec, shape, _Source(spec.hf_name)))
+    for r, (is_moe, start, length) in enumerate(cfg.layer_runs()):
+        run = transformer.run_name(r)
+        for spec in _layer_specs(cfg, arch, is_moe):
+            shape = _get(shapes[run], spec.path).shape  # [n, (E,) ...]
+            hf_shape = spec.hf_shape(shape[2:] if spec.per_expert else shape[1:])
+            sources = []
+            for layer in range(start, start + length):
+                if not spec.per_expert:
+                    sources.append(_Source(spec.hf_name.format(layer=layer)))
+                    files.check(sources[-1].name, hf_shape)
+                    continue
+                fused = _fused_expert_sources(files, spec, layer, cfg, arch)
+                if fused is None:
+                    names = [spec.hf_name.format(layer=layer, expert=e) for e in range(shape[1])]
+                    for name in names:
+                        files.check(name, hf_shape)
+                    fused = tuple(map(_Source, names))
+                sources.append(fused)
+            leaves.append(_Leaf((run, *spec.path), spec, shape, tuple(sources)))
+    return leaves
+
+
+def _fused_expert_sources(files, spec, layer, cfg, arch) -> tuple[_Source, ...] | None:
+    """Per expert, where its [out, in] HF tensor is in the fused in-memory layout
+    (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]), if that is on disk."""
+    if arch != QWEN3_MOE:
+        return None
+    prefix = f"model.layers.{layer}.mlp.experts."
+    E, D, F = cfg.num_experts, cfg.d_model, cfg.moe_ffn_dim
+    if spec.path[-1] == "down_proj" and prefix + "down_proj" in files:
+        files.check(prefix + "down_proj", (E, D, F))
+        return tuple(_Source(prefix + "down_proj", (e,)) for e in range(E))
+    if prefix + "gate_up_proj" in files and spec.path[-1] in ("gate_proj", "up_proj"):
+        files.check(prefix + "gate_up_proj", (E, 2 * F, D))
+        offset = 0 if spec.path[-1] == "gate_proj" else F
+        return tuple(_Source(prefix + "gate_up_proj", (e,), offset) for e in range(E))
+    return None
+
+
+def _load_leaf(files: _TensorFiles, leaf: _Leaf, dtype, sharding) -> jax.Array:
+    """The whole leaf (`sharding` None), or a `jax.make_array_from_callback` array whose
+    callback reads only each addressable device's block; devices that hold the same block
+    (replicated axes) share one read."""
+    if sharding is None:
+        return jnp.asarray(leaf.read(files, _full_index(leaf.shape), dtype))
+    blocks: dict[tuple, np.ndarray] = {}
+
+    def block(index):
+        index = _normalize(index, leaf.shape)
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in blocks:
+            blocks[key] = leaf.read(files, index, dtype)
+        return blocks[key]
+
+    with files.opened():
+        return jax.make_array_from_callback(leaf.shape, sharding, block)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpoint:
+    """An opened checkpoint: its config and the leaves to read, every tensor checked."""
+
+    cfg: config_lib.ModelConfig
+    files: _TensorFiles
+    shapes: dict  # transformer.param_shapes(cfg)
+    leaves: list[_Leaf]
+    dtype: np.dtype  # of the params
+
+
+def _open_checkpoint(path: pathlib.Path, dtype) -> _Checkpoint:
+    """config.json read, every tensor checked (present, of its shape, none unexpected) from the
+    files' headers; no tensor data read."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise CheckpointError(str(path), "config.json", valid="present (a Hugging Face dir)")
@@ -345,35 +549,10 @@ def load_hf_checkpoint(
     else:
         param_dtype = config_lib.dtype_name(dtype, field="load_hf_checkpoint(dtype)")
     cfg = cfg.replace(param_dtype=param_dtype, dtype=param_dtype)
-    np_dtype = np.dtype(jnp.dtype(param_dtype))
     files = _TensorFiles(path)
     shapes = transformer.param_shapes(cfg)
-    params: dict = {}
-
-    for spec in _top_specs(cfg):
-        want = _get(shapes, spec.path).shape
-        hf_shape = spec.to_hf(np.empty(want, np.int8)).shape
-        _set(params, spec.path, spec.to_espo(files.read(spec.hf_name, hf_shape)).astype(np_dtype))
-
-    for r, (is_moe, start, length) in enumerate(cfg.layer_runs()):
-        run = transformer.run_name(r)
-        for spec in _layer_specs(cfg, arch, is_moe):
-            want = _get(shapes[run], spec.path).shape  # [n, (E,) ...]
-            out = np.empty(want, np_dtype)
-            item_shape = want[2:] if spec.per_expert else want[1:]
-            hf_shape = spec.to_hf(np.empty(item_shape, np.int8)).shape
-            for j in range(length):
-                layer = start + j
-                if spec.per_expert:
-                    fused = _read_fused_experts(files, spec, layer, cfg, arch)
-                    for e in range(cfg.num_experts):
-                        name = spec.hf_name.format(layer=layer, expert=e)
-                        hf_tensor = fused[e] if fused is not None else files.read(name, hf_shape)
-                        out[j, e] = spec.to_espo(hf_tensor)
-                else:
-                    out[j] = spec.to_espo(files.read(spec.hf_name.format(layer=layer), hf_shape))
-            _set(params, (run, *spec.path), out)
-
+    with files.opened():
+        leaves = _plan(cfg, arch, files, shapes)
     unexpected = sorted(
         k for k in set(files.where) - files.used if not k.endswith(_IGNORED_SUFFIXES)
     )
@@ -383,24 +562,107 @@ def load_hf_checkpoint(
             files.source, "tensors", f"{unexpected[:8]}{more}",
             f"only those of {arch} with {cfg.num_layers} layers and {cfg.num_experts} experts",
         )  # fmt: skip
-    return cfg, jax.tree.map(jnp.asarray, params)
+    return _Checkpoint(cfg, files, shapes, leaves, np.dtype(jnp.dtype(param_dtype)))
 
 
-def _read_fused_experts(files, spec, layer, cfg, arch):
-    """[E, out, in] Hugging Face tensors from the fused in-memory layout, if that is on disk."""
-    if arch != QWEN3_MOE:
-        return None
-    prefix = f"model.layers.{layer}.mlp.experts."
-    E, D, F = cfg.num_experts, cfg.d_model, cfg.moe_ffn_dim
-    if spec.path[-1] == "down_proj" and prefix + "down_proj" in files:
-        return files.read(prefix + "down_proj", (E, D, F))
-    if prefix + "gate_up_proj" in files and spec.path[-1] in ("gate_proj", "up_proj"):
-        gate_up = files.read(prefix + "gate_up_proj", (E, 2 * F, D))
-        return gate_up[:, :F] if spec.path[-1] == "gate_proj" else gate_up[:, F:]
-    return None
+Shardings = dict | Callable[[config_lib.ModelConfig], dict]
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    *,
+    dtype: config_lib.DTypeLike | None = None,
+    shardings: Shardings | None = None,
+) -> tuple[config_lib.ModelConfig, dict]:
+    """(ModelConfig, params) from a local Hugging Face checkpoint directory.
+
+    Args:
+      path: a directory holding `config.json` and `*.safetensors` (optionally sharded with
+        `model.safetensors.index.json`).
+      dtype: parameter (and compute) dtype in any spelling `config.dtype_name` accepts
+        ("bfloat16", jnp.bfloat16, np.float32, jnp.dtype("float32")); default: the checkpoint's
+        own when it is float32 or bfloat16, else float32.
+      shardings: where to put the params: a tree of `jax.sharding.Sharding` with the structure
+        of `transformer.param_shapes(cfg)`, or a function of the loaded ModelConfig returning
+        one (the caller knows the config only once config.json is read), e.g.
+        `lambda cfg: sharding.param_shardings(mesh, transformer.param_shapes(cfg))`. Each
+        parameter is then built with `jax.make_array_from_callback`, and each process reads
+        only the blocks its devices hold (safetensors' lazy `get_slice`), one HF tensor at a
+        time: its peak host memory is about its devices' share of the largest parameter plus
+        one tensor, not the checkpoint. None (the default): every parameter whole on the
+        default device. The values are the same bits either way.
+
+    Every tensor is checked (present, of its shape) from the files' headers before any is read;
+    a missing, mis-shaped or unexpected tensor raises CheckpointError naming the file and key.
+    """
+    ckpt = _open_checkpoint(pathlib.Path(path), dtype)
+    if callable(shardings):
+        shardings = shardings(ckpt.cfg)
+    if shardings is not None and jax.tree.structure(shardings) != jax.tree.structure(ckpt.shapes):
+        raise errors.InvalidValue(
+            "load_hf_checkpoint", "shardings", type(shardings).__name__,
+            "a tree of jax.sharding.Sharding with the structure of transformer.param_shapes(cfg)",
+        )  # fmt: skip
+    params: dict = {}
+    for leaf in ckpt.leaves:
+        sharding = None if shardings is None else _get(shardings, leaf.path)
+        _set(params, leaf.path, _load_leaf(ckpt.files, leaf, ckpt.dtype, sharding))
+    return ckpt.cfg, params
 
 
 # ---- saving ---------------------------------------------------------------------------------
+
+
+class _Tensor(NamedTuple):
+    """One HF tensor of an export: item [layer, expert] of the espo leaf at `path`."""
+
+    name: str
+    spec: _Spec
+    path: tuple[str, ...]
+    layer: int | None  # index into the stacked leaf; None for a top-level leaf
+    expert: int | None
+    nbytes: int
+
+
+def _export_tensors(cfg, arch, params) -> list[_Tensor]:
+    """Every HF tensor of `params`, in the order the files list them; nothing converted."""
+    out = []
+    for spec in _top_specs(cfg):
+        leaf = _get(params, spec.path)
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        out.append(_Tensor(spec.hf_name, spec, spec.path, None, None, nbytes))
+    for r, (is_moe, start, length) in enumerate(cfg.layer_runs()):
+        run = transformer.run_name(r)
+        for spec in _layer_specs(cfg, arch, is_moe):
+            leaf = _get(params[run], spec.path)
+            lead = 2 if spec.per_expert else 1
+            nbytes = math.prod(leaf.shape[lead:]) * np.dtype(leaf.dtype).itemsize
+            for j in range(length):
+                for e in range(cfg.num_experts) if spec.per_expert else (None,):
+                    name = spec.hf_name.format(layer=start + j, expert=e)
+                    out.append(_Tensor(name, spec, (run, *spec.path), j, e, nbytes))
+    return out
+
+
+def _host_slice(leaf, layer: int | None) -> np.ndarray:
+    """leaf[layer] (the whole leaf for None) as a host array. Of a `jax.Array` of this process,
+    copied from one device of each distinct block (a replicated leaf from one device, never one
+    gather per device); of one spread over processes, `np.asarray` (which refuses it)."""
+    if not isinstance(leaf, jax.Array) or not leaf.is_fully_addressable:
+        return np.asarray(leaf if layer is None else leaf[layer])
+    out = np.empty(leaf.shape if layer is None else leaf.shape[1:], leaf.dtype)
+    done = set()
+    for shard in leaf.addressable_shards:
+        index = _normalize(shard.index, leaf.shape)
+        key = tuple((s.start, s.stop) for s in index)
+        if key in done or (layer is not None and not index[0].start <= layer < index[0].stop):
+            continue
+        done.add(key)
+        if layer is None:
+            out[index] = np.asarray(shard.data)
+        else:  # the layer's rows of this block alone leave the device
+            out[index[1:]] = np.asarray(shard.data[layer - index[0].start])
+    return out
 
 
 def save_hf_checkpoint(
@@ -416,6 +678,13 @@ def save_hf_checkpoint(
     The architecture defaults to Qwen3-MoE when `cfg.qk_norm`, else Mixtral. Tensors are written
     with per-expert names, in shards of at most `max_shard_bytes` (with an index when sharded).
     An existing non-empty directory is never overwritten.
+
+    One shard file at a time: only its tensors are converted, and a stacked leaf is brought to
+    the host one layer slice at a time (of a sharded `jax.Array` of this process, from one
+    device of each distinct block), so the peak host memory is about one shard (twice:
+    safetensors' numpy `save_file` copies each tensor to bytes) plus one layer of one leaf, not
+    the model. Params sharded over several processes must be gathered first
+    (`espo.trainer._finish` does).
     """
     arch = architecture or (QWEN3_MOE if cfg.qk_norm else MIXTRAL)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -425,37 +694,37 @@ def save_hf_checkpoint(
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path}: exists and is not empty; refusing to overwrite it")
     path.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, np.ndarray] = {}
-    for spec in _top_specs(cfg):
-        tensors[spec.hf_name] = spec.to_hf(np.asarray(_get(params, spec.path)))
-    for r, (is_moe, start, length) in enumerate(cfg.layer_runs()):
-        block = params[transformer.run_name(r)]
-        for spec in _layer_specs(cfg, arch, is_moe):
-            stacked = np.asarray(_get(block, spec.path))
-            for j in range(length):
-                if spec.per_expert:
-                    for e in range(cfg.num_experts):
-                        name = spec.hf_name.format(layer=start + j, expert=e)
-                        tensors[name] = spec.to_hf(stacked[j, e])
-                else:
-                    tensors[spec.hf_name.format(layer=start + j)] = spec.to_hf(stacked[j])
-    shards, current, size = [], {}, 0
-    for name, tensor in tensors.items():
-        if current and size + tensor.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = np.ascontiguousarray(tensor)
-        size += tensor.nbytes
-    shards.append(current)
+    tensors = _export_tensors(cfg, arch, params)
+    shards, size = [[]], 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    held: dict = {}  # the one (leaf, layer) slice on the host, reused by its experts
+
+    def convert(t: _Tensor) -> np.ndarray:
+        key = (t.path, t.layer)
+        if key not in held:
+            held.clear()  # the previous slice goes before the next is gathered
+            held[key] = _host_slice(_get(params, t.path), t.layer)
+        item = held[key] if t.expert is None else held[key][t.expert]
+        return np.ascontiguousarray(t.spec.to_hf(item))
+
     if len(shards) == 1:
-        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
+        fnames = ["model.safetensors"]
     else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, path / fname, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, fname))
-        total = sum(t.nbytes for t in tensors.values())
+        fnames = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(fnames, shards, strict=True):
+        contents = {t.name: convert(t) for t in shard}
+        save_file(contents, path / fname, metadata={"format": "pt"})
+        del contents  # before the next shard's tensors exist
+        weight_map.update(dict.fromkeys((t.name for t in shard), fname))
+    held.clear()
+    if len(shards) > 1:
+        total = sum(t.nbytes for t in tensors)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config_to_hf(cfg, arch), indent=2))

@@ -1,6 +1,9 @@
 """Hugging Face parity: logits and expert choices equal transformers'; round trips are exact."""
 
 import json
+import subprocess
+import sys
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +33,19 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def checkpoint_dirs(tmp_path_factory):
+    """Every case of CASES as transformers writes it, made once."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in sorted(CASES)}
+    for name, path in dirs.items():
+        arch, overrides = CASES[name]
+        testing.make_hf_checkpoint(path, architecture=arch, **overrides)
+    return dirs
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
-def checkpoint(request, tmp_path_factory):
-    arch, overrides = CASES[request.param]
-    path = tmp_path_factory.mktemp(request.param)
-    testing.make_hf_checkpoint(path, architecture=arch, **overrides)
+def checkpoint(request, checkpoint_dirs):
+    path = checkpoint_dirs[request.param]
     cfg, params = model.load_hf_checkpoint(path)
     return path, cfg, params
 
@@ -124,32 +135,46 @@ def qwen_dir(tmp_path):
     return testing.make_hf_checkpoint(tmp_path / "qwen", num_hidden_layers=1)
 
 
+def _one_device(cfg):
+    """Shardings of every parameter on this process's one device (the sharded load's path)."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: device, model.param_shapes(cfg))
+
+
 def _rewrite(path, fn):
     tensors = load_file(path / "model.safetensors")
     fn(tensors)
     save_file(tensors, path / "model.safetensors")
 
 
-def test_missing_tensor_names_the_key(qwen_dir):
+@pytest.mark.parametrize("shardings", [None, _one_device], ids=["whole", "sharded"])
+def test_missing_tensor_names_the_key(qwen_dir, shardings):
     key = "model.layers.0.mlp.experts.3.up_proj.weight"
     _rewrite(qwen_dir, lambda t: t.pop(key))
     with raises_invalid(key, kind=hf.CheckpointError):
-        model.load_hf_checkpoint(qwen_dir)
+        model.load_hf_checkpoint(qwen_dir, shardings=shardings)
 
 
-def test_unexpected_tensor_names_the_key(qwen_dir):
+@pytest.mark.parametrize("shardings", [None, _one_device], ids=["whole", "sharded"])
+def test_unexpected_tensor_names_the_key(qwen_dir, shardings):
     _rewrite(qwen_dir, lambda t: t.update({"model.layers.7.mystery.weight": np.zeros(3, "f4")}))
     with raises_invalid("tensors", kind=hf.CheckpointError) as info:
-        model.load_hf_checkpoint(qwen_dir)
+        model.load_hf_checkpoint(qwen_dir, shardings=shardings)
     assert "model.layers.7.mystery.weight" in info.value.value
 
 
-def test_shape_mismatch_names_file_key_and_shapes(qwen_dir):
+@pytest.mark.parametrize("shardings", [None, _one_device], ids=["whole", "sharded"])
+def test_shape_mismatch_names_file_key_and_shapes(qwen_dir, shardings):
     key = "model.layers.0.self_attn.q_proj.weight"
     _rewrite(qwen_dir, lambda t: t.update({key: np.zeros((31, 32), "f4")}))
     with raises_invalid(f"{key}.shape", kind=hf.CheckpointError) as info:
-        model.load_hf_checkpoint(qwen_dir)
+        model.load_hf_checkpoint(qwen_dir, shardings=shardings)
     assert info.value.value == (31, 32) and info.value.where.endswith("model.safetensors")
+
+
+def test_shardings_not_of_the_params_tree_name_the_argument(qwen_dir):
+    with raises_invalid("shardings", where="load_hf_checkpoint"):
+        model.load_hf_checkpoint(qwen_dir, shardings=lambda cfg: {"embed": None})
 
 
 def test_unsupported_architecture_and_bad_config(qwen_dir):
@@ -188,3 +213,222 @@ def test_fused_expert_layout_loads_the_same(qwen_dir):
     _rewrite(qwen_dir, fuse)
     _, got = model.load_hf_checkpoint(qwen_dir)
     jax.tree.map(np.testing.assert_array_equal, got, want)
+    _assert_blocks_equal(qwen_dir, want)  # a device's block of the fused tensors too
+
+
+# ---- sharded loading: a device reads its block, bit for bit ---------------------------------
+
+
+def _random_index(rng, shape):
+    """A non-empty sub-box of `shape`, its bounds at random (a partial head, a partial head_dim,
+    an offset along every axis)."""
+    bounds = (np.sort(rng.choice(n + 1, 2, replace=False)) for n in shape)
+    return tuple(slice(int(a), int(b)) for a, b in bounds)
+
+
+def _assert_blocks_equal(path, params, *, per_leaf=4):
+    """Each leaf's blocks read alone (as `jax.make_array_from_callback` asks for them) are the
+    same bits as the whole load's slices."""
+    ckpt = hf._open_checkpoint(path, None)
+    rng = np.random.default_rng(0)
+    for leaf in ckpt.leaves:
+        whole = np.asarray(hf._get(params, leaf.path))
+        # The brief's example on [n, E, D, F] expert weights: layer 1, experts 0-1, F 8-16.
+        given = [(slice(1, 2), slice(0, 2), slice(None), slice(8, 16))] * (whole.shape[0] > 1)
+        given = [i for i in given if leaf.spec.per_expert]
+        for index in given + [_random_index(rng, leaf.shape) for _ in range(per_leaf)]:
+            got = leaf.read(ckpt.files, index, ckpt.dtype)
+            assert got.shape == whole[index].shape, (leaf.path, index)
+            assert got.tobytes() == whole[index].tobytes(), (leaf.path, index)
+
+
+def test_a_devices_block_is_the_whole_loads_slice_bit_for_bit(checkpoint):
+    # Bugs caught: the HF index not reversed for a transposed tensor; a head_dim slice dropped
+    # (whole heads returned); the expert offset of the block ignored.
+    path, _, params = checkpoint
+    _assert_blocks_equal(path, params)
+
+
+class _CountingFile:
+    """A safetensors handle that adds the bytes of every tensor or block it returns to `n`."""
+
+    def __init__(self, handle, n):
+        self.handle, self.n = handle, n
+
+    def __enter__(self):
+        self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+    def keys(self):
+        return self.handle.keys()
+
+    def _count(self, array):
+        self.n[0] += array.nbytes
+        return array
+
+    def get_tensor(self, name):
+        return self._count(self.handle.get_tensor(name))
+
+    def get_slice(self, name):
+        inner = self.handle.get_slice(name)
+        return type("Slice", (), {
+            "get_shape": lambda _: inner.get_shape(),
+            "__getitem__": lambda _, index: self._count(inner[index]),
+        })()  # fmt: skip
+
+
+def test_a_devices_block_reads_only_its_bytes(checkpoint, monkeypatch):
+    # Bug caught: each HF tensor read whole (`get_tensor`, or `get_slice` of everything) and
+    # cut after the transpose: the right values from n times the bytes.
+    path, _, _ = checkpoint
+    ckpt = hf._open_checkpoint(path, None)
+    n = [0]
+    opened = hf._open_safetensors
+    monkeypatch.setattr(hf, "_open_safetensors", lambda f: _CountingFile(opened(f), n))
+    for leaf in ckpt.leaves:
+        # The second half of every even axis, as a device of a mesh of 2s would hold; the
+        # head_dim axis whole (espo.sharding never splits it; a split one is read whole-heads).
+        lead = 2 if leaf.spec.per_expert else int(isinstance(leaf.sources, tuple))
+        whole_axis = lead + leaf.spec.split + 1 if leaf.spec.split is not None else None
+        index = tuple(
+            slice(size // 2, size) if size % 2 == 0 and axis != whole_axis else slice(None)
+            for axis, size in enumerate(leaf.shape)
+        )
+        n[0] = 0
+        block = leaf.read(ckpt.files, index, ckpt.dtype)
+        assert n[0] == block.nbytes, (leaf.path, index, n[0], block.nbytes)
+        halved = sum(s.start is not None for s in index)
+        assert n[0] * 2**halved == np.asarray(hf._get(checkpoint[2], leaf.path)).nbytes
+        assert halved >= 2 or not leaf.spec.per_expert  # an expert weight: at most a quarter
+
+
+_EIGHT_DEVICES = """
+import sys, pathlib, filecmp
+import jax, numpy as np
+from espo import model, sharding
+mesh = sharding.make_mesh(data=2, fsdp=2, expert=2)
+for path in map(pathlib.Path, sys.argv[2:]):
+    shardings = lambda cfg: sharding.param_shardings(mesh, model.param_shapes(cfg))
+    cfg, whole = model.load_hf_checkpoint(path)
+    _, split = model.load_hf_checkpoint(path, shardings=shardings)
+    want = shardings(cfg)
+    flat = lambda t: jax.tree_util.tree_leaves_with_path(t)
+    for (key, a), (_, b), (_, sh) in zip(flat(whole), flat(split), flat(want), strict=True):
+        assert b.sharding == sh, (key, b.sharding, sh)
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), key
+        for shard in b.addressable_shards:
+            assert np.asarray(shard.data).tobytes() == np.asarray(a)[shard.index].tobytes(), key
+    out = pathlib.Path(sys.argv[1]) / path.name
+    model.save_hf_checkpoint(cfg, whole, out / "whole", max_shard_bytes=20_000)
+    model.save_hf_checkpoint(cfg, split, out / "split", max_shard_bytes=20_000)
+    files = sorted(f.name for f in (out / "whole").iterdir())
+    assert files == sorted(f.name for f in (out / "split").iterdir()) and len(files) > 3
+    assert all(filecmp.cmp(out / "whole" / f, out / "split" / f, shallow=False) for f in files)
+    print("ok", path.name, len(files))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sharded_load_over_eight_devices_equals_the_whole_load(checkpoint_dirs, tmp_path):
+    # Bugs caught: devices of one block (replicated along "data") given another's cached block;
+    # a block read at the wrong offset. The export of the sharded params (gathered a layer
+    # slice at a time) is byte for byte the export of the whole ones.
+    dirs = [str(checkpoint_dirs[name]) for name in sorted(CASES)]
+    out = subprocess.run(
+        [sys.executable, "-c", _EIGHT_DEVICES, str(tmp_path), *dirs],
+        env=testing.emulated_devices_env(8), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.count("ok ") == len(CASES), out.stdout
+
+
+# ---- export: the reference tensors, one shard file at a time ---------------------------------
+
+EXPORT_CFG = model.ModelConfig.tiny(
+    num_layers=4, dense_layers=(1,), dense_ffn_dim=24, tie_embeddings=False
+)
+
+
+@pytest.fixture(scope="module")
+def export_params():
+    """Random host params of EXPORT_CFG (no init to compile)."""
+    rng = np.random.default_rng(5)
+    draw = lambda s: rng.standard_normal(s.shape).astype(s.dtype)
+    return jax.tree.map(draw, model.param_shapes(EXPORT_CFG))
+
+
+def _reference_tensors(cfg, params) -> dict[str, np.ndarray]:
+    """The Hugging Face tensors of `params`, written out name by name (not from hf's table)."""
+    p = jax.tree.map(np.asarray, params)
+    D, H, N, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ref = {
+        "model.embed_tokens.weight": p["embed"],
+        "model.norm.weight": p["final_norm"]["scale"],
+        "lm_head.weight": p["lm_head"].T,
+    }
+    for r, (is_moe, start, length) in enumerate(cfg.layer_runs()):
+        b = p[f"blocks_{r}"]
+        for j in range(length):
+            at = f"model.layers.{start + j}."
+            ref[at + "input_layernorm.weight"] = b["input_norm"]["scale"][j]
+            ref[at + "post_attention_layernorm.weight"] = b["post_attn_norm"]["scale"][j]
+            for name, heads in (("q_proj", H), ("k_proj", N), ("v_proj", N)):
+                ref[at + f"self_attn.{name}.weight"] = b["attn"][name][j].reshape(D, heads * Dh).T
+            ref[at + "self_attn.o_proj.weight"] = b["attn"]["o_proj"][j].reshape(H * Dh, D).T
+            ref[at + "self_attn.q_norm.weight"] = b["attn"]["q_norm"]["scale"][j]
+            ref[at + "self_attn.k_norm.weight"] = b["attn"]["k_norm"]["scale"][j]
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                if not is_moe:
+                    ref[at + f"mlp.{name}.weight"] = b["mlp"][name][j].T
+                    continue
+                for e in range(cfg.num_experts):
+                    ref[at + f"mlp.experts.{e}.{name}.weight"] = b["moe"][name][j, e].T
+            if is_moe:
+                ref[at + "mlp.gate.weight"] = b["moe"]["router"][j].T
+    return ref
+
+
+def test_export_writes_the_reference_tensors_in_shards_with_their_index(export_params, tmp_path):
+    # Bugs caught: a tensor filed under another shard in the index; a layer slice reused for
+    # the next layer's tensors.
+    params = jax.tree.map(jnp.asarray, export_params)  # jax.Arrays: gathered a layer at a time
+    ref = _reference_tensors(EXPORT_CFG, params)
+    total = sum(t.nbytes for t in ref.values())
+    path = model.save_hf_checkpoint(EXPORT_CFG, params, tmp_path / "out", max_shard_bytes=8_000)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert index["metadata"] == {"total_size": total}
+    files = sorted(path.glob("model-*.safetensors"))
+    assert len(files) > 10 and files[-1].name.endswith(f"-of-{len(files):05d}.safetensors")
+    got = {}
+    for file in files:
+        tensors = load_file(file)
+        assert sum(t.nbytes for t in tensors.values()) <= 8_000 or len(tensors) == 1
+        assert all(index["weight_map"][name] == file.name for name in tensors)
+        got |= tensors
+    assert sorted(got) == sorted(ref) == sorted(index["weight_map"])
+    for name, want in ref.items():
+        assert got[name].shape == want.shape and got[name].tobytes() == want.tobytes(), name
+
+
+def test_export_holds_one_shard_at_a_time(export_params, tmp_path, monkeypatch):
+    # Bug caught: every tensor of the model converted (transposed copies) before the first
+    # file is written: the host holds the whole model (the old exporter did).
+    params = export_params  # on the host: slicing them allocates nothing
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    live = []  # host bytes allocated by the export and alive at each file write
+    write = hf.save_file
+    monkeypatch.setattr(hf, "save_file", lambda t, *a, **k: (
+        live.append(tracemalloc.get_traced_memory()[0]), write(t, *a, **k)))  # fmt: skip
+    tracemalloc.start()
+    try:
+        model.save_hf_checkpoint(EXPORT_CFG, params, tmp_path / "out", max_shard_bytes=8_000)
+    finally:
+        tracemalloc.stop()
+    # The model is 1.5 MB; at a write the export holds that file's tensors (8 kB, or one
+    # bigger tensor: lm_head's 64 kB) and ~50 kB of bookkeeping, never most of the model.
+    assert len(live) > 10 and total > 1_500_000
+    assert max(live) < total / 8, (max(live), total)
