@@ -313,7 +313,7 @@ def measure(point: dict) -> dict:
     bench_memory._rss_watchdog(point["max_rss_gb"])
     dump = tempfile.mkdtemp(prefix="aot_") if point.get("tpu") else ""
     flags = os.environ.get("XLA_FLAGS", "")
-    if point.get("gpus"):
+    if point.get("gpus") and not point.get("local"):
         flags += f" --xla_force_host_platform_device_count={point['gpus']}"
     if dump:
         flags += f" --xla_dump_to={dump}"
@@ -323,7 +323,8 @@ def measure(point: dict) -> dict:
 
     from espo.model import moe
 
-    jax.config.update("jax_platforms", "cpu")
+    if not point.get("local"):  # --local: this machine's accelerator compiles (a real GPU)
+        jax.config.update("jax_platforms", "cpu")
     backend = contextlib.nullcontext()
     if point.get("tpu"):
         import bench_moe
@@ -335,6 +336,8 @@ def measure(point: dict) -> dict:
     chip = roofline.Chip(**point["chip"])
     mesh = mesh_over(devices, point["mesh"])
     s, cfg = settings_of(point["config"], tuple(point.get("set", ())))
+    if point.get("layers"):  # a slice of the model's depth (`mesh_result`'s extrapolation)
+        cfg = cfg.replace(num_layers=point["layers"])
     shp = shapes_of(s, cfg, len(devices), point["rows_per_device"])
     with backend:
         progs = programs(s, cfg, mesh, shp)
@@ -446,9 +449,9 @@ def parse_mesh(text: str) -> dict:
     return {a: sizes.get(a, 1) for a in ("data", "fsdp", "expert")}
 
 
-def run_point(point: dict, timeout: float) -> dict:
+def run_point(point: dict, timeout: float, extra_env: dict | None = None) -> dict:
     """`measure(point)` in a subprocess."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | (extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), str(ROOT / "experiments"), env.get("PYTHONPATH", "")) if p
     )
@@ -463,6 +466,48 @@ def run_point(point: dict, timeout: float) -> dict:
     if not res:
         res = {"error": f"rc {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}"}
     res["wall_s"] = time.perf_counter() - t
+    return res
+
+
+EXTRAPOLATE_FROM = (2, 4)  # layers compiled when a model is deeper (`mesh_result`)
+
+
+def extrapolate(a, b, la: int, lb: int, layers: int):
+    """Numbers measured at `la` and `lb` layers (`a`, `b`: numbers, or dicts / lists of them)
+    taken linearly to `layers`; anything else (a flag, a message) as `b` has it."""
+    if isinstance(b, dict):
+        return {k: extrapolate(a.get(k), v, la, lb, layers) for k, v in b.items()}
+    if isinstance(b, bool) or not isinstance(b, int | float) or not isinstance(a, int | float):
+        return b
+    return b + (layers - lb) * (b - a) / (lb - la)
+
+
+def mesh_result(point: dict, layers: int, timeout: float, env: dict, *, full: bool) -> dict:
+    """One mesh's programs, each compiled in its own subprocess (`timeout` each). A model deeper
+    than EXTRAPOLATE_FROM's second depth is compiled at both depths unless `full`, and every
+    number (memory, FLOPs, collectives) taken linearly to its `layers`: each layer adds the same
+    parameters, buffers, matmuls and collectives (the scanned update's stacked residuals, the
+    rollout's unrolled layers: tests/experiments/test_aot.py checks it against a whole
+    compile); the embedding, head and loop buffers are the intercept."""
+    res = dict(programs={})
+    la, lb = EXTRAPOLATE_FROM
+    for prog in point["programs"]:
+        one = dict(point, programs=[prog])
+        if full or layers <= lb:
+            got = run_point(one, timeout, env)
+            row = got.get("programs", {}).get(prog)
+        else:
+            a, got = (run_point(dict(one, layers=n), timeout, env) for n in (la, lb))
+            rows = [r.get("programs", {}).get(prog) for r in (a, got)]
+            row = None if None in rows else extrapolate(*rows, la, lb, layers)
+            if row:
+                row["compile_s"] = rows[0]["compile_s"] + rows[1]["compile_s"]
+                row["extrapolated_from"] = [la, lb]
+                got["shapes"] = a["shapes"]  # the shapes do not depend on depth
+        if row is None:
+            return dict(error=f"{prog}: {got.get('error', 'no result')}")
+        res["programs"][prog] = row
+        res.update(shapes=got["shapes"], devices=got["devices"])
     return res
 
 
@@ -585,6 +630,11 @@ def main(argv=None) -> dict:
     p.add_argument("--tpu", default="", help="a TPU topology (v5p:2x2x4; libtpu on PYTHONPATH)")
     p.add_argument("--gpus", type=int, default=0, help="a GPU node of this many devices")
     p.add_argument(
+        "--local", action="store_true",
+        help="with --gpus: compile on this machine's own devices (a real GPU) instead of "
+        "emulated CPU ones: the check of the emulated estimate",
+    )  # fmt: skip
+    p.add_argument(
         "--chip", default="", help="roofline chip: roofline.CHIPS or cpu (measured; default: the "
         "TPU's, or h100)",
     )  # fmt: skip
@@ -595,8 +645,12 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--max-meshes", type=int, default=3, help="search: compile this many, keep the fastest fit"
     )
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per mesh")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per compile")
     p.add_argument("--max-rss-gb", type=float, default=18.0, help="stop a compile past this RSS")
+    p.add_argument(
+        "--full", action="store_true",
+        help=f"compile the whole depth (default: at {EXTRAPOLATE_FROM} layers, extrapolated)",
+    )  # fmt: skip
     p.add_argument("--json", default="", help="write every mesh's result here")
     p.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: one mesh
     args = p.parse_args(argv)
@@ -607,8 +661,9 @@ def main(argv=None) -> dict:
             print(json.dumps({"error": f"{type(e).__name__}: {e}"[:600]}), flush=True)
         return {}
     # This process only reads shapes: the CPU backend (libtpu, if on the path, would take the
-    # TPU lockfile the compiling subprocess needs).
+    # TPU lockfile the compiling subprocess needs; a GPU's memory is left to it).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    child_env = {} if args.local else {"JAX_PLATFORMS": "cpu"}
     if not args.config:
         raise SystemExit("--config is required: path[:variant] of a config file")
     if bool(args.tpu) == bool(args.gpus):
@@ -631,7 +686,8 @@ def main(argv=None) -> dict:
         meshes = candidate_meshes(s, cfg, devices, hbm)
         listed = ", ".join(f"{tuple(m['mesh'].values())} {m['static'] / GiB:.1f}" for m in meshes)
         print(f"{len(meshes)} meshes whose state fits {hbm / GiB:.1f} GiB: {listed}")
-    target = args.tpu or f"{args.gpus} x {chip.name} (emulated: XLA:CPU)"
+    emulated = "this machine's devices" if args.local else "emulated: XLA:CPU"
+    target = args.tpu or f"{args.gpus} x {chip.name} ({emulated})"
     print(f"\n{args.config} on {target}, {hbm / GiB:.1f} GiB a device; GiB per device\n")
     print("| mesh | program | params | opt state | inputs | temporaries | outputs | resident |"
           " total | vs HBM | FLOPs/token | collectives GiB | matmul ms | compile s |")  # fmt: skip
@@ -643,9 +699,9 @@ def main(argv=None) -> dict:
             chip=dataclasses.asdict(chip),
             mesh=m["mesh"],
             programs=args.programs.split(","), rows_per_device=args.rows_per_device,
-            max_rss_gb=args.max_rss_gb,
+            max_rss_gb=args.max_rss_gb, local=args.local,
         )  # fmt: skip
-        res = run_point(point, args.timeout)
+        res = mesh_result(point, cfg.num_layers, args.timeout, child_env, full=args.full)
         res["mesh"] = m["mesh"]
         results.append(res)
         if print_rows(res, m["mesh"], hbm):

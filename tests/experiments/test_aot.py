@@ -144,3 +144,26 @@ def test_flops_per_token_counts_every_decode_step_of_a_chunk():
     )
     assert aot.flops_per_token(res, "update") == pytest.approx(4e6 / 400)
     assert aot.flops_per_token(res, "rollout") == pytest.approx((5e6 + 59 * 1e4) / 1600)
+
+
+def test_deep_models_are_extrapolated_from_two_depths():
+    """Every number of a 5-layer rollout (the unrolled decode: the least linear program) from
+    its 2- and 4-layer compiles against the whole 5-layer compile: exact but the temporaries
+    (XLA reuses buffers across unrolled layers: within 10%)."""
+    args = ["--config", "configs/default.py:tiny", "--gpus", "1", "--programs", "rollout"]
+    args += ["--set", "model.num_layers=5"]
+    (got,) = aot.main(args)["results"]
+    (whole,) = aot.main([*args, "--full"])["results"]
+    got, whole = got["programs"]["rollout"], whole["programs"]["rollout"]
+    assert got["extrapolated_from"] == [2, 4] and "extrapolated_from" not in whole
+    for key in ("params", "inputs", "outputs", "resident", "flops", "decode_flops", "matmul_s"):
+        assert got[key] == pytest.approx(whole[key], rel=1e-6), key
+    assert got["temporaries"] == pytest.approx(whole["temporaries"], rel=0.1)
+
+
+def test_extrapolate_is_linear_in_depth_through_nested_results():
+    a = dict(x=10.0, c={"all-gather": dict(count=2, bytes=100.0)}, flag=True, note="a")
+    b = dict(x=14.0, c={"all-gather": dict(count=4, bytes=180.0)}, flag=False, note="b")
+    got = aot.extrapolate(a, b, 2, 4, 48)
+    assert got["x"] == 14.0 + 44 * 2.0 and got["c"]["all-gather"] == dict(count=48, bytes=1940.0)
+    assert got["flag"] is False and got["note"] == "b"
