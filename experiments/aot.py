@@ -35,8 +35,11 @@ shardings'). Check against a real GPU's compile when one is lent.
 
 Work per program, per device: the matmuls of the traced program (`roofline.jaxpr_dots`: every
 dot and grouped matmul with its loop trip counts, remat's recomputation included, traced with
-the XLA implementations: attention "blocked", the MoE's ragged_dot), divided evenly over the
-devices; the collectives of the compiled, partitioned program (`roofline.hlo_collectives`,
+the XLA implementations: the blocked attention for splash / Triton, the MoE's ragged_dot for
+every grouped matmul, a decode step's attention over the whole cache as on a TPU or GPU),
+divided evenly over the devices; the blocked attention's tiles are counted visible or not (a
+per-tile cond, counted by its larger branch: a causal row's attention about 2x what the
+kernels, which skip hidden tiles, compute); the collectives of the compiled, partitioned program (`roofline.hlo_collectives`,
 bytes each device sends per program run). Roofline: per matmul max(FLOPs / peak, bytes / HBM
 bandwidth), summed (elementwise work not counted), and the collectives' bytes over the chip's
 link bandwidth; the program's time is the larger of the two (full overlap: optimistic).
@@ -186,7 +189,7 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     from espo import batching, quant, sampler, sharding, train_step, trainer
     from espo.model import handle, transformer
 
-    if for_flops:
+    if for_flops and model_cfg.attention_impl in ("splash", "triton"):  # the kernels' XLA twin
         model_cfg = model_cfg.replace(attention_impl="blocked")
     T, R = shp["T"], shp["micro_rows"]
     # As the trainer: one update over the whole batch takes pi_old from that update's forward.
@@ -321,7 +324,9 @@ def measure(point: dict) -> dict:
     import jax
     import roofline
 
-    from espo.model import moe
+    from espo.model import layers, moe
+
+    blocked = layers.blocked_decode
 
     if not point.get("local"):  # --local: this machine's accelerator compiles (a real GPU)
         jax.config.update("jax_platforms", "cpu")
@@ -379,7 +384,14 @@ def measure(point: dict) -> dict:
         ffn, fargs, *_ = flop_progs[name]
         # Counted as the dropless grouped matmul every accelerator path computes (CPU's default,
         # "capacity", multiplies padding too).
-        with jax.set_mesh(mesh), mock.patch.object(moe, "default_impl", lambda *a, **k: "ragged"):
+        # A TPU's or GPU's decode step attends over the whole cache ("blocked" over its
+        # slots), not the CPU's loop over the filled blocks (`layers.blocked_decode`).
+        decode_loop = blocked if chip.name == "cpu" else (lambda *a: False)
+        with (
+            jax.set_mesh(mesh),
+            mock.patch.object(moe, "default_impl", lambda *a, **k: "ragged"),
+            mock.patch.object(layers, "blocked_decode", decode_loop),
+        ):
             jaxpr = ffn.trace(*fargs).jaxpr
         dots = roofline.jaxpr_dots(jaxpr)
         row["flops"] = roofline.total_flops(dots)

@@ -149,7 +149,9 @@ def attend(
         kv_segments = jnp.zeros_like(kv_positions)
     static = _Static(
         window=sliding_window,
-        block_q=block_q or BLOCK_Q,
+        # No longer than the queries: a decode step's one token over a long cache (a TPU's or
+        # a GPU's rollout) is a block of one query, not one padded to BLOCK_Q (512x the work).
+        block_q=min(block_q or BLOCK_Q, q_positions.shape[1]),
         block_k=block_k or BLOCK_K,
         dtype=jnp.dtype(dtype),
     )

@@ -6,6 +6,8 @@ on every real query, for every mask espo builds: left / right padding, packed se
 window, a KV cache's slots, at lengths one short of, equal to and one past a block.
 """
 
+import pathlib
+import sys
 from unittest import mock
 
 import jax
@@ -218,3 +220,23 @@ def test_long_sequence_settings_are_validated(field, value):
     with pytest.raises(errors.InvalidValue) as caught:
         ModelConfig.tiny(**{field: value})
     assert caught.value.field == field
+
+
+def test_a_decode_step_over_a_long_cache_is_one_query_not_a_padded_block():
+    """One new token a row over a 2,048-slot cache (how a TPU or GPU rollout decodes: "blocked"
+    over the cache's slots): the dense form's values, and the tiles' matmuls are one query's
+    (a query block padded to BLOCK_Q would do 512x the attention work)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "experiments"))
+    import roofline  # the matmul counter of experiments/aot.py
+
+    B, S, G = 2, 2048, 2
+    q, k, v, w = _qkvw(B, 2, G, 1, S, 8, seed=5)
+    kv_pos = np.where(np.arange(S) < 1500, np.arange(S), -1)[None].repeat(B, 0)
+    kw = dict(q_positions=jnp.full((B, 1), 1499), kv_positions=jnp.asarray(kv_pos))
+    real = np.ones((B, 1), bool)
+    clean = lambda a: a.at[:, :, 1500:].set(0)  # noqa: E731
+    want = _value_and_grad(q, clean(k), clean(v), w, real, impl="dense", **kw)
+    _assert_same(_value_and_grad(q, k, v, w, real, impl="blocked", **kw), want)
+    fwd = lambda q, k, v: attention.attend(q, k, v, impl="blocked", **kw)  # noqa: E731
+    flops = roofline.total_flops(roofline.jaxpr_dots(jax.make_jaxpr(fwd)(q, k, v)))
+    assert flops <= 2 * (2 * 2 * B * 2 * G * S * 8)  # q.k and p.v over every slot, x2 slack
