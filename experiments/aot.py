@@ -40,9 +40,10 @@ every grouped matmul, a decode step's attention over the whole cache as on a TPU
 divided evenly over the devices; the blocked attention's tiles are counted visible or not (a
 per-tile cond, counted by its larger branch: a causal row's attention about 2x what the
 kernels, which skip hidden tiles, compute); the collectives of the compiled, partitioned
-program (`roofline.hlo_collectives`, bytes each device sends per program run). Roofline: per matmul max(FLOPs / peak, bytes / HBM
-bandwidth), summed (elementwise work not counted), and the collectives' bytes over the chip's
-link bandwidth; the program's time is the larger of the two (full overlap: optimistic).
+program (`roofline.hlo_collectives`, bytes each device sends per program run). Roofline: per
+matmul max(FLOPs / peak, bytes / HBM bandwidth), summed (elementwise work not counted), and
+the collectives' bytes over the chip's link bandwidth; the program's time is the larger of the
+two (full overlap: optimistic).
 MFU = model FLOPs (6 x active params per token for the update, + attention's 12 x layers x
 heads x head_dim x mean context) / (time x peak).
 
