@@ -257,8 +257,9 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     def rollout(dparams, prompts, mask, key, budget):
         return sampler._sample_chunk(
             model, dparams, prompts, mask, key, budget, None, num_samples=G, gen_len=shp["Tg"],
-            temperature=1.0, top_p=1.0, top_k=0, stop_ids=(1,), pad_id=0, steps_per_check=1,
-        )  # fmt: skip
+            temperature=1.0, top_p=1.0, top_k=0, stop_ids=(model_cfg.vocab_size,), pad_id=0,
+            steps_per_check=1,
+        )  # fmt: skip  # an id no row samples: every decode step runs (the longest chunk)
 
     out["rollout"] = (
         jax.jit(rollout),
@@ -307,6 +308,33 @@ def _decode_loop(closed_jaxpr):
 
     walk(closed_jaxpr.jaxpr)
     return best
+
+
+def _timed(compiled, args, repeats: int = 3) -> float:
+    """Median seconds of `compiled` on random inputs of `args`' shapes and placements (normal
+    floats, small non-negative ints, a decode budget of its whole buffer)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def make(a):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            x = rng.standard_normal(a.shape).astype(np.float32) * 0.02
+        elif a.dtype == jnp.bool_:
+            x = np.ones(a.shape, bool)
+        else:
+            x = rng.integers(0, 4, a.shape) if a.shape else np.full((), 2**30)
+        return jax.device_put(jnp.asarray(x, a.dtype), a.sharding)
+
+    times = []
+    for _ in range(repeats):
+        inputs = jax.tree.map(make, args)  # fresh: the update donates its state
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def measure(point: dict) -> dict:
@@ -362,6 +390,8 @@ def measure(point: dict) -> dict:
                 raise
             compiled, row["refused"] = None, str(e).split("\n")[0][:200]  # the chip's HBM check
         row["compile_s"] = time.perf_counter() - t0
+        if point.get("run") and compiled is not None:  # --run: timed here (no stop id exists:
+            row["measured_s"] = _timed(compiled, args)  # the decode runs its whole budget)
         if point.get("tpu"):  # the buffer assignment the chip's check adds up
             got = bench_memory.allocation_sizes(dump, module=f"jit_{name}")
             args_b, out_b, temp_b, alias_b = (
@@ -546,8 +576,7 @@ def step_projection(res: dict, cfg, chip, s) -> dict:
         out["old_s"] = math.ceil(rows / shp["micro_rows"]) * seconds(o, o["matmul_s"], coll(o))
     if "rollout" in progs:
         r = progs["rollout"]
-        steps = shp["Tg"] - 1  # the loop body is counted once in the program's own figures
-        matmul = r["matmul_s"] + steps * r["decode_matmul_s"]
+        matmul = program_seconds(res, "rollout")
         out["rollout_s"] = math.ceil(rows / shp["chunk_rows"]) * seconds(r, matmul, coll(r))
     out["step_s"] = sum(out.get(k, 0.0) for k in ("update_s", "old_s", "rollout_s"))
     out["tokens_per_s_per_chip"] = rows * T / (out["step_s"] * n) if out["step_s"] else None
@@ -602,6 +631,15 @@ def flops_per_token(res: dict, prog: str) -> float:
     return r["flops"] / (shp["micro_rows"] * shp["T"])
 
 
+def program_seconds(res: dict, prog: str) -> float:
+    """A program's roofline matmul seconds for one run of it (the rollout: prefill and every
+    decode step of its chunk)."""
+    r = res["programs"][prog]
+    if prog == "rollout":
+        return r["matmul_s"] + (res["shapes"]["Tg"] - 1) * r["decode_matmul_s"]
+    return r["matmul_s"]
+
+
 def print_rows(res: dict, mesh: dict, hbm: float) -> bool:
     """The table rows of one mesh; True when every program fits."""
     name = ",".join(f"{k}={v}" for k, v in mesh.items())
@@ -626,6 +664,10 @@ def print_rows(res: dict, mesh: dict, hbm: float) -> bool:
         unknown = r.get("unknown_loops", 0) + sum(
             c.get("in_unknown_loop", 0) for c in r["collectives"].values()
         ) * (prog != "rollout")
+        if r.get("measured_s"):
+            model = program_seconds(res, prog)
+            print(f"|   | {prog}: run here {r['measured_s'] * 1e3:.4g} ms against its roofline "
+                  f"{model * 1e3:.4g} ms ({model / r['measured_s']:.2f} of it) |")  # fmt: skip
         if unknown or r.get("opaque"):
             print(f"|   | {prog}: {r.get('opaque', 0)} kernels not counted, {unknown} matmuls / "
                   "collectives in loops of unknown trip count counted once |")  # fmt: skip
@@ -654,6 +696,11 @@ def main(argv=None) -> dict:
     p.add_argument("--hbm-gib", type=float, default=0.0, help="HBM per device (default: chip's)")
     p.add_argument("--mesh", default="", help="one mesh (data=N,fsdp=N,expert=N); else searched")
     p.add_argument("--programs", default=",".join(PROGRAMS), help="comma-separated")
+    p.add_argument(
+        "--run", action="store_true",
+        help="with --local: also run each compiled program (random inputs) and time it against "
+        "its roofline: the projection checked against this machine",
+    )  # fmt: skip
     p.add_argument("--rows-per-device", type=int, default=0, help="rows of T per micro-batch")
     p.add_argument(
         "--max-meshes", type=int, default=3, help="search: compile this many, keep the fastest fit"
@@ -712,7 +759,7 @@ def main(argv=None) -> dict:
             chip=dataclasses.asdict(chip),
             mesh=m["mesh"],
             programs=args.programs.split(","), rows_per_device=args.rows_per_device,
-            max_rss_gb=args.max_rss_gb, local=args.local,
+            max_rss_gb=args.max_rss_gb, local=args.local, run=args.run,
         )  # fmt: skip
         res = mesh_result(point, cfg.num_layers, args.timeout, child_env, full=args.full)
         res["mesh"] = m["mesh"]

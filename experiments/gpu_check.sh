@@ -32,7 +32,8 @@
 #            bandwidth (docs/performance.md "Decoding at a reasoning trace's length");
 #   aot:     (asked for by name) aot.py's estimate checked: 8 layers of the Qwen3-30B-A3B preset
 #            at 4k tokens, its update / pi_old / rollout compiled on this GPU (--local) and on one
-#            emulated CPU device, the per-device memory of each side by side;
+#            emulated CPU device, the per-device memory of each side by side, and each program
+#            run on the GPU against its roofline (--run);
 #   cmdbuf:  (asked for by name) decode rows with XLA's command buffers (CUDA graphs) taking the
 #            while loops too (XLA_FLAGS below; 0.78-0.93x without them on an H100, run 3).
 # Measured before (docs/gpu/README.md): FP8 matmul forms (--only fp8), 8 decode steps per check
@@ -90,8 +91,8 @@ if on longdecode; then
     2>&1 | tee "$OUT/longdecode.log" | quiet
 fi
 if on aot; then
-  AOT="--config configs/qwen3_moe.py:30b_a3b --set model.num_layers=8 --gpus 1 --mesh data=1"
-  timeout 240 $PY experiments/aot.py $AOT --chip h200 --local --json "$OUT/aot_gpu.json" \
+  AOT="--config configs/qwen3_moe.py:30b_a3b --set model.num_layers=8 --gpus 1 --mesh data=1 --full"
+  timeout 240 $PY experiments/aot.py $AOT --chip h200 --local --run --json "$OUT/aot_gpu.json" \
     2>&1 | tee "$OUT/aot_gpu.log" | quiet | grep "^|"
   timeout 300 $PY experiments/aot.py $AOT --chip h200 --json "$OUT/aot_emulated.json" \
     2>&1 | tee "$OUT/aot_emulated.log" | quiet | grep "^|"
