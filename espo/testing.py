@@ -412,3 +412,36 @@ def raises_invalid(field: str, *, where: str | None = None, kind: type = errors.
     got = info.value
     assert got.field == field, f"field {got.field!r}, expected {field!r}: {got}"
     assert where is None or got.where == where, f"where {got.where!r}, expected {where!r}: {got}"
+
+
+class CountingSafetensors:
+    """A safetensors file handle (`safe_open(...)`) that adds the bytes of every tensor or block
+    it returns to `n[0]`: how much of a checkpoint a loader reads (`espo.model.hf`'s
+    `_open_safetensors` wrapped with it: tests/model/test_hf.py, experiments/bench_load.py)."""
+
+    def __init__(self, handle, n: list):
+        self.handle, self.n = handle, n
+
+    def __enter__(self):
+        self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+    def keys(self):
+        return self.handle.keys()
+
+    def _count(self, array):
+        self.n[0] += array.nbytes
+        return array
+
+    def get_tensor(self, name):
+        return self._count(self.handle.get_tensor(name))
+
+    def get_slice(self, name):
+        inner = self.handle.get_slice(name)
+        return type("Slice", (), {
+            "get_shape": lambda _: inner.get_shape(),
+            "__getitem__": lambda _, index: self._count(inner[index]),
+        })()  # fmt: skip

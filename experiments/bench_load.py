@@ -81,40 +81,11 @@ def measured(fn):
 
 def count_reads():
     """A list whose [0] counts the tensor bytes the loader copies out of the files from now."""
+    from espo import testing
     from espo.model import hf
 
     n, opened = [0], hf._open_safetensors
-
-    class Slice:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def get_shape(self):
-            return self.inner.get_shape()
-
-        def __getitem__(self, index):
-            block = self.inner[index]
-            n[0] += block.nbytes
-            return block
-
-    class File:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def __enter__(self):
-            self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.handle.keys()
-
-        def get_slice(self, name):
-            return Slice(self.handle.get_slice(name))
-
-    hf._open_safetensors = lambda file: File(opened(file))
+    hf._open_safetensors = lambda file: testing.CountingSafetensors(opened(file), n)
     return n
 
 

@@ -252,45 +252,29 @@ class ModelConfig:
     @classmethod
     def qwen3_30b_a3b(cls, **overrides) -> ModelConfig:
         """Qwen3-30B-A3B's architecture (48 layers, 128 experts, top-8)."""
-        base = dict(
-            vocab_size=151936,
-            d_model=2048,
-            num_layers=48,
-            num_heads=32,
-            num_kv_heads=4,
-            head_dim=128,
-            num_experts=128,
-            top_k=8,
-            moe_ffn_dim=768,
-            qk_norm=True,
-            norm_topk_prob=True,
-            rope_theta=1_000_000.0,
-            rms_eps=1e-6,
-            param_dtype="bfloat16",
-            dtype="bfloat16",
-            aux_loss_coef=0.001,
-        )
-        return cls(**{**base, **overrides})
+        widths = dict(d_model=2048, num_layers=48, num_heads=32, moe_ffn_dim=768)
+        return cls(**{**_QWEN3_MOE, **widths, **overrides})
 
     @classmethod
     def qwen3_235b_a22b(cls, **overrides) -> ModelConfig:
         """Qwen3-235B-A22B's architecture (94 layers, 128 experts, top-8; its config.json)."""
-        base = dict(
-            vocab_size=151936,
-            d_model=4096,
-            num_layers=94,
-            num_heads=64,
-            num_kv_heads=4,
-            head_dim=128,
-            num_experts=128,
-            top_k=8,
-            moe_ffn_dim=1536,
-            qk_norm=True,
-            norm_topk_prob=True,
-            rope_theta=1_000_000.0,
-            rms_eps=1e-6,
-            param_dtype="bfloat16",
-            dtype="bfloat16",
-            aux_loss_coef=0.001,
-        )
-        return cls(**{**base, **overrides})
+        widths = dict(d_model=4096, num_layers=94, num_heads=64, moe_ffn_dim=1536)
+        return cls(**{**_QWEN3_MOE, **widths, **overrides})
+
+
+# What the Qwen3-MoE checkpoints share (their config.json): vocabulary, 4 kv heads of 128, 128
+# experts top-8, q/k norms, RoPE base 1e6, bf16, router aux loss 0.001.
+_QWEN3_MOE = dict(
+    vocab_size=151936,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=128,
+    top_k=8,
+    qk_norm=True,
+    norm_topk_prob=True,
+    rope_theta=1_000_000.0,
+    rms_eps=1e-6,
+    param_dtype="bfloat16",
+    dtype="bfloat16",
+    aux_loss_coef=0.001,
+)

@@ -249,37 +249,6 @@ def test_a_devices_block_is_the_whole_loads_slice_bit_for_bit(checkpoint):
     _assert_blocks_equal(path, params)
 
 
-class _CountingFile:
-    """A safetensors handle that adds the bytes of every tensor or block it returns to `n`."""
-
-    def __init__(self, handle, n):
-        self.handle, self.n = handle, n
-
-    def __enter__(self):
-        self.handle.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.handle.__exit__(*exc)
-
-    def keys(self):
-        return self.handle.keys()
-
-    def _count(self, array):
-        self.n[0] += array.nbytes
-        return array
-
-    def get_tensor(self, name):
-        return self._count(self.handle.get_tensor(name))
-
-    def get_slice(self, name):
-        inner = self.handle.get_slice(name)
-        return type("Slice", (), {
-            "get_shape": lambda _: inner.get_shape(),
-            "__getitem__": lambda _, index: self._count(inner[index]),
-        })()  # fmt: skip
-
-
 def test_a_devices_block_reads_only_its_bytes(checkpoint, monkeypatch):
     # Bug caught: each HF tensor read whole (`get_tensor`, or `get_slice` of everything) and
     # cut after the transpose: the right values from n times the bytes.
@@ -287,7 +256,9 @@ def test_a_devices_block_reads_only_its_bytes(checkpoint, monkeypatch):
     ckpt = hf._open_checkpoint(path, None)
     n = [0]
     opened = hf._open_safetensors
-    monkeypatch.setattr(hf, "_open_safetensors", lambda f: _CountingFile(opened(f), n))
+    monkeypatch.setattr(
+        hf, "_open_safetensors", lambda f: testing.CountingSafetensors(opened(f), n)
+    )
     for leaf in ckpt.leaves:
         # The second half of every even axis, as a device of a mesh of 2s would hold; the
         # head_dim axis whole (espo.sharding never splits it; a split one is read whole-heads).
