@@ -205,7 +205,8 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
         )
 
     abstract = jax.eval_shape(make_state, params)
-    state = place(abstract, sharding.state_shardings(mesh, optimizer, abstract))
+    state_sh = sharding.state_shardings(mesh, optimizer, abstract)
+    state = place(abstract, state_sh)
     rows = sharding.batch_sharding(mesh)
     sizes = dict(params=per_device_bytes(state.params), opt_state=per_device_bytes(state.opt_state))
     out = {}
@@ -214,8 +215,8 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
         return train_step.train_step(sc, optimizer, state, mini)
 
     mini = place(abstract_batch(model_cfg, (1, R), T), sharding.batch_sharding(mesh, leading=1))
-    out["update"] = (
-        jax.jit(update, donate_argnums=(0,)),
+    out["update"] = (  # as the trainer: the state returned where it came from, so donated
+        jax.jit(update, donate_argnums=(0,), out_shardings=(state_sh, sharding.replicated(mesh))),
         (state, mini),
         dict(sizes, inputs=per_device_bytes(mini)),
         0.0,
@@ -375,7 +376,11 @@ def measure(point: dict) -> dict:
     shp = shapes_of(s, cfg, len(devices), point["rows_per_device"])
     with backend:
         progs = programs(s, cfg, mesh, shp)
-    flop_progs = programs(s, cfg, mesh, shp, for_flops=True)
+    # The work is counted on one device (the global shapes, no expert-parallel shard_map:
+    # its all-gather fallback, the larger branch of a cond, would count every gathered row
+    # against every local expert) and split evenly over the devices by the roofline.
+    one = mesh_over(devices[:1], {})
+    flop_progs = programs(s, cfg, one, shp, for_flops=True)
     out = dict(shapes=shp, devices=len(devices), programs={})
     for name in point["programs"]:
         fn, args, sizes, resident = progs[name]
@@ -419,7 +424,7 @@ def measure(point: dict) -> dict:
         # slots), not the CPU's loop over the filled blocks (`layers.blocked_decode`).
         decode_loop = blocked if chip.name == "cpu" else (lambda *a: False)
         with (
-            jax.set_mesh(mesh),
+            jax.set_mesh(one),
             mock.patch.object(moe, "default_impl", lambda *a, **k: "ragged"),
             mock.patch.object(layers, "blocked_decode", decode_loop),
         ):

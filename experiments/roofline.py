@@ -355,8 +355,8 @@ def hlo_collectives(hlo_text: str, *, unknown_trip: int = 1) -> dict[str, dict]:
                 continue
             trip = None
             if opcode == "while":
-                m = _TRIP.search(rest)
-                trip = int(m.group(1)) if m else None
+                m, cond = _TRIP.search(rest), re.search(r"\bcondition=%?([\w.\-]+)", rest)
+                trip = int(m.group(1)) if m else _condition_trip(comps, cond and cond.group(1))
             for callee in callees:
                 child = totals(callee, active | {name})
                 if opcode == "while" and trip is None:
@@ -400,6 +400,31 @@ def _parse_module(text: str) -> tuple[dict[str, list], str, int]:
     if not comps:
         raise ValueError("hlo_collectives: no computation found in the HLO text")
     return comps, entry or list(comps)[-1], devices
+
+
+def _condition_trip(comps: dict, name: str | None) -> int | None:
+    """A counted loop's trip count from its condition when XLA recorded none (XLA:TPU does not
+    write known_trip_count): a condition (with what it calls) holding one `compare`,
+    direction=LT, and one integer scalar constant N is `i < N` from 0, a scan's form; anything
+    else (a data-dependent loop such as a decode loop) is unknown."""
+    seen, todo, instructions = set(), [name], []
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        instructions += comps[c]
+        todo += [callee for _, _, rest in comps[c] for callee in _callees(rest)]
+    consts = [
+        int(m.group(1))
+        for opcode, shape, rest in instructions
+        if opcode == "constant" and re.match(r"[su]\d+\[\]", shape.strip())
+        and (m := re.match(r"\s*(-?\d+)\)", rest))
+    ]  # fmt: skip
+    compares = [rest for opcode, _, rest in instructions if opcode == "compare"]
+    if len(consts) == 1 and len(compares) == 1 and "direction=LT" in compares[0]:
+        return consts[0] if consts[0] > 0 else None
+    return None
 
 
 def _callees(rest: str) -> list[str]:

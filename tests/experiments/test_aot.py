@@ -97,6 +97,7 @@ def test_breakdown_adds_up_to_xla(two_devices):
         assert 0 <= row["inputs"] <= row["placed_inputs"] * (1 + 1e-6), name
     up, old, roll = (res["programs"][k] for k in ("update", "old", "rollout"))
     assert up["opt_state"] == pytest.approx(2 * up["params"], rel=1e-3)  # Adam's mu and nu
+    assert up["outputs"] < 0.01 * up["opt_state"]  # the new state aliases the donated one
     assert old["resident"] == up["opt_state"]  # the state pi_old does not take
     assert up["flops"] > 3 * old["flops"] * 0.9  # forward + backward (+ remat) vs a forward
     assert roll["resident"] == pytest.approx(up["params"] + up["opt_state"])

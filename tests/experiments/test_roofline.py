@@ -376,3 +376,48 @@ def test_hlo_collectives_of_programs_compiled_for_8_cpu_devices():
     assert c["collective-permute"]["bytes"] == 256
     assert c["all-gather"]["bytes"] == 1024 * 3 / 4  # f32[32,8] gathered over "m"
     assert all(v["count"] == 1 for k, v in c.items() if k != "ragged-all-to-all")
+
+
+_TPU_STYLE = """HloModule t, num_partitions=4
+
+%body (d: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %d = (s32[], f32[8]{0}) parameter(0)
+  %ar = f32[8]{0} all-reduce(%e), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%fused_lt (x: s32[]) -> pred[] {
+  %x = s32[] parameter(0)
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(%x, %n), direction=LT
+}
+
+%counted_cond (d: (s32[], f32[8])) -> pred[] {
+  %d = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%d), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_lt
+}
+
+%live_cond (d: (s32[], f32[8])) -> pred[] {
+  %d = (s32[], f32[8]{0}) parameter(0)
+  %n = s32[] constant(6)
+  %lt = pred[] compare(%i, %n), direction=LT
+  %any = pred[] compare(%j, %k), direction=NE
+  ROOT %and = pred[] and(%lt, %any)
+}
+
+ENTRY %main (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %w = (s32[], f32[8]{0}) while(%p), condition=%counted_cond, body=%body
+  ROOT %v = (s32[], f32[8]{0}) while(%w), condition=%live_cond, body=%body
+}
+"""
+
+
+def test_a_loop_without_a_recorded_trip_count_takes_its_conditions_bound():
+    """XLA:TPU records no known_trip_count: `i < 6` in the condition (here inside a fusion) is
+    a loop of 6; a condition that also tests data (a decode loop's live rows) stays unknown,
+    counted `unknown_trip` times."""
+    got = roofline.hlo_collectives(_TPU_STYLE, unknown_trip=10)["all-reduce"]
+    assert got["count"] == 6 + 10 and got["in_unknown_loop"] == 10
+    assert got["bytes"] == pytest.approx(16 * 2 * 32 * 3 / 4)
