@@ -61,8 +61,8 @@ def preset(c: ml_collections.ConfigDict, name: str) -> None:
     arch = dataclasses.asdict(getattr(model_config.ModelConfig, p["model"])())
     compute = {f: c.model[f] for f in model_config.COMPUTE_FIELDS if f in c.model}
     c.model.update({**arch, **compute, "hf_path": c.model.hf_path})
-    c.data.max_prompt_length = p["prompt"]
-    c.curriculum.stages = (
+    c.data.max_prompt_length = p["prompt"]  # tokens of a prompt at most
+    c.curriculum.stages = (  # one stage: the recipe's G and generation budget
         default.stage("all", max_difficulty=1.0, steps=10**9, group_size=p["group"],
                       max_new_tokens=p["new"]),
     )  # fmt: skip
@@ -70,8 +70,8 @@ def preset(c: ml_collections.ConfigDict, name: str) -> None:
     rows = p["prompts"] * p["group"]
     c.train.update(prompts_per_step=p["prompts"], mini_batch_size=min(p["mini"], rows))
     c.train.update(packing=True, max_tokens_per_micro_batch=p["budget"])
-    c.model.remat = "full"
-    c.model.moe_chunk = 4096
+    c.model.remat = "full"  # each layer's input kept, the rest recomputed
+    c.model.moe_chunk = 4096  # the MoE's (token, expert) buffers 4k tokens at a time
     c.rollout.max_chunk_size = 256  # rows decoded together
     c.mesh.update(p["mesh"])
 
