@@ -79,8 +79,9 @@ def test_one_update_a_step_has_no_pi_old_forward():
     """One update over the whole batch (the tiny config): pi_old is that update's own forward
     (`StepConfig.fused_old_logps`), so the pi_old program reads no params."""
     args = ["--config", "configs/default.py:tiny", "--gpus", "1", "--programs", "old"]
-    (res,) = aot.main(args)["results"]
+    (res,) = aot.main([*args, "--local", "--run"])["results"]
     old = res["programs"]["old"]
+    assert old["measured_s"] > 0  # --run: the compiled program timed here
     assert old["params"] == 0 and old["flops"] == 0
     assert old["resident"] == pytest.approx(aot.static_bytes(*aot.settings_of(args[1]), (1, 1, 1)))
     assert old["inputs"] >= 0
