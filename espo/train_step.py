@@ -540,7 +540,11 @@ def train_step(sc: StepConfig, optimizer: optax.GradientTransformation, state: T
     if not sc.scan_layers:
         grads = transformer.stack_layers(sc.model, grads)
     den = per_micro["denominator"].sum()
-    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grads)
+    # The mean gradient in each parameter's dtype (the accumulator's): the optimiser state keeps
+    # the dtypes `init` gave it. With bf16 params a float32 mean (den is float32) turned Adam's
+    # moments float32 after the first update: twice their memory, a second compile, and no
+    # aliasing of the donated state (found by experiments/aot.py).
+    grads = jax.tree.map(lambda g: (g / jnp.maximum(den, 1.0)).astype(g.dtype), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skip = ("numerator", "denominator", "num_unrecorded_routes", "num_mismatch_tokens")

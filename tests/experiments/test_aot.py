@@ -169,3 +169,18 @@ def test_extrapolate_is_linear_in_depth_through_nested_results():
     got = aot.extrapolate(a, b, 2, 4, 48)
     assert got["x"] == 14.0 + 44 * 2.0 and got["c"]["all-gather"] == dict(count=48, bytes=1940.0)
     assert got["flag"] is False and got["note"] == "b"
+
+
+def test_the_update_keeps_the_state_dtypes_of_bf16_params():
+    """The update's new state has its input's dtypes with bf16 params (a float32 mean gradient
+    made Adam's moments float32 after the first update: a recompile, twice their memory, and
+    the donated state not aliased)."""
+    s, cfg = aot.settings_of(
+        "configs/qwen3_moe.py:tiny", ('model.param_dtype="bfloat16"', 'model.dtype="bfloat16"')
+    )
+    mesh = aot.mesh_over(jax.devices()[:1], {})
+    fn, (state, mini), *_ = aot.programs(s, cfg, mesh, aot.shapes_of(s, cfg, 1))["update"]
+    new, _ = jax.eval_shape(fn, state, mini)
+    dtypes = lambda tree: [a.dtype for a in jax.tree.leaves(tree)]  # noqa: E731
+    assert dtypes(new.opt_state) == dtypes(state.opt_state)
+    assert dtypes(new.params) == dtypes(state.params) and "bfloat16" in map(str, dtypes(new.params))
