@@ -187,7 +187,7 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from espo import batching, quant, sampler, sharding, train_step, trainer
+    from espo import quant, sampler, sharding, train_step, trainer
     from espo.model import handle, transformer
 
     if for_flops and model_cfg.attention_impl in ("splash", "triton"):  # the kernels' XLA twin
@@ -269,7 +269,6 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
              inputs=per_device_bytes((prompts, mask, key, budget))),
         sizes["params"] + sizes["opt_state"],
     )  # fmt: skip
-    del batching
     return out
 
 
