@@ -33,7 +33,7 @@ class TrainBatch:
     tokens: Int[Array, "N T"]
     attention_mask: Bool[Array, "N T"]  # real prompt and completion tokens
     loss_mask: Bool[Array, "N T"]  # completion tokens of valid rows
-    router: types.RouterTrace  # [N, L, T, K] the rollout's experts (-1: none)
+    router: types.RouterTrace  # [N, L, T, K] the rollout's experts (-1: none), ids only
     sampler_logps: Float[Array, "N T"]  # the rollout's log-probs, 0 off the completion
     sampler_entropies: Float[Array, "N T"]
     finished: Bool[Array, " N"]
@@ -61,7 +61,7 @@ def _pad_time(x: np.ndarray, *, axis: int, left: int, right: int, value) -> np.n
 
 # The per-row payload (`zero_variance.Groups.rows`) `rollout_rows` builds, `make_train_batch` reads.
 ROW_FIELDS = (
-    "tokens", "attention_mask", "completion_mask", "expert_ids", "expert_weights",
+    "tokens", "attention_mask", "completion_mask", "expert_ids",
     "sampler_logps", "sampler_entropies", "finished",
 )  # fmt: skip
 
@@ -94,12 +94,17 @@ def rollout_rows(
         tokens=np.concatenate(tokens, 1).astype(np.int32),  # [R, T]
         attention_mask=np.concatenate([prompt_mask, completion_mask], 1),  # [R, T]
         completion_mask=np.concatenate([np.zeros_like(prompt_mask), completion_mask], 1),
-        expert_ids=pad(r.router.expert_ids, value=-1, **trace).astype(np.int32),  # [R, L, T, K]
-        expert_weights=pad(r.router.expert_weights, value=0.0, **trace),  # [R, L, T, K]
+        expert_ids=_trace_ids(pad(r.router.expert_ids, value=-1, **trace)),  # [R, L, T, K]
         sampler_logps=pad(r.logps, before=Tp, after=right).astype(np.float32),  # [R, T]
         sampler_entropies=pad(r.entropies, before=Tp, after=right).astype(np.float32),
         finished=np.asarray(r.finished, bool),  # [R]
     )
+
+
+def _trace_ids(ids: np.ndarray) -> np.ndarray:
+    """The sampler's ids as recorded (`types.expert_id_dtype`, int8 for most MoEs); a wider
+    integer (numpy's default int64) becomes the int32 a forward returns."""
+    return ids if ids.dtype.itemsize <= 4 else ids.astype(np.int32)
 
 
 def make_train_batch(groups: zero_variance.Groups, *, num_rows: int, pad_id: int) -> TrainBatch:
@@ -136,9 +141,7 @@ def make_train_batch(groups: zero_variance.Groups, *, num_rows: int, pad_id: int
         tokens=out["tokens"],
         attention_mask=out["attention_mask"],
         loss_mask=out["completion_mask"] & out["valid"][:, None],
-        router=types.RouterTrace(
-            expert_ids=out["expert_ids"], expert_weights=out["expert_weights"]
-        ),
+        router=types.RouterTrace(expert_ids=out["expert_ids"], expert_weights=None),
         sampler_logps=out["sampler_logps"],
         sampler_entropies=out["sampler_entropies"],
         finished=out["finished"],

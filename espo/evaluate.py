@@ -132,7 +132,7 @@ def _run_pass(
         out = sampler.sample(
             model, params, [prompts[i] for i in padded], [len(prompts[i]) for i in padded],
             key=jax.random.fold_in(key, b), num_samples=G, max_new_tokens=cfg.max_new_tokens,
-            temperature=temperature, buckets=buckets, **sampling_kw,
+            temperature=temperature, buckets=buckets, trace_weights=False, **sampling_kw,
         )  # fmt: skip
         return idx, out
 

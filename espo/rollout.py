@@ -50,6 +50,7 @@ from espo.model import handle
 from espo.rewards import pool as pool_lib
 
 SCHEDULES = ("length_aware", "fifo")
+PARAM_LAYOUTS = ("training", "experts")
 
 
 _is_int = errors.is_int
@@ -64,6 +65,11 @@ class RolloutConfig:
     top_k: int = 0
     fp8: bool = True
     dtype: str = ""  # sampler activation / matmul dtype; "" = the model's
+    # The sampler's weights on the mesh: "training" = the update's layout (with fsdp > 1 every
+    # decode step all-gathers every layer's weights); "experts" = experts over the expert axis,
+    # everything else replicated (`sharding.ROLLOUT_RULES`), resharded once a step, as verl
+    # reshards FSDP weights for its rollout engine.
+    param_layout: str = "training"
     max_chunk_size: int = 64
     schedule: str = "length_aware"
     # length_aware: a re-prefilled position costs this many decode slot-steps (CPU ~1, GPU less);
@@ -87,6 +93,7 @@ class RolloutConfig:
                 "top_k": (_is_int(self.top_k) and self.top_k >= 0, "an int >= 0"),
                 "fp8": (isinstance(self.fp8, bool), "True or False"),
                 "dtype": (self.dtype in dtypes, "'' (the model's), float32, bfloat16 or float16"),
+                "param_layout": (self.param_layout in PARAM_LAYOUTS, " | ".join(PARAM_LAYOUTS)),
                 "max_chunk_size": (
                     _is_int(self.max_chunk_size) and self.max_chunk_size >= 1,
                     "an int >= 1",
@@ -203,11 +210,10 @@ class _Buffers:
     entropies: np.ndarray  # [N, Tg]
     lengths: np.ndarray  # [N]
     finished: np.ndarray  # [N]
-    expert_ids: np.ndarray  # [N, L, Tp + Tg, K]
-    expert_weights: np.ndarray  # [N, L, Tp + Tg, K]
+    expert_ids: np.ndarray  # [N, L, Tp + Tg, K], `types.expert_id_dtype` (ids only: replay)
 
     @classmethod
-    def empty(cls, step: _Step, *, num_layers: int, top_k: int) -> _Buffers:
+    def empty(cls, step: _Step, *, num_layers: int, top_k: int, id_dtype) -> _Buffers:
         N, Tp, Tg = len(step.requests), step.prompt_width, step.gen_width
         trace = (N, num_layers, Tp + Tg, top_k)
         return cls(
@@ -216,8 +222,7 @@ class _Buffers:
             entropies=np.zeros((N, Tg), np.float32),
             lengths=np.zeros(N, np.int32),
             finished=np.zeros(N, bool),
-            expert_ids=np.full(trace, -1, np.int32),
-            expert_weights=np.zeros(trace, np.float32),
+            expert_ids=np.full(trace, -1, id_dtype),
         )
 
     def write(self, chunk: scheduling.Chunk, out: types.SampleOutput, *, prompt_width: int):
@@ -233,9 +238,6 @@ class _Buffers:
         self.lengths[rows] = out.lengths[:n]
         self.finished[rows] = out.finished[:n]
         self.expert_ids[rows, :, prompt_width - tp : prompt_width + gb] = out.router.expert_ids[:n]
-        self.expert_weights[rows, :, prompt_width - tp : prompt_width + gb] = (
-            out.router.expert_weights[:n]
-        )
 
     def prefix(self, rows: list[int], starts: list[int], *, width: int) -> sampler.Prefix:
         """What `rows` generated so far ([R, width], `starts` tokens each), for a continuation."""
@@ -364,7 +366,7 @@ def _dispatch(
         model, params, jnp.asarray(tokens), jnp.asarray(mask), key,
         jnp.asarray(chunk.budget, jnp.int32), prefix, num_samples=1,
         gen_len=chunk.generation_bucket, sampling=sampling,
-        steps_per_check=step.config.steps_per_check,
+        steps_per_check=step.config.steps_per_check, trace_weights=False,
     )  # fmt: skip
 
 
@@ -423,7 +425,10 @@ def _decode(
     detokenize: Callable[[Sequence[int]], str] | None,
 ) -> _Progress:
     """Decode every wave of chunks, handing each off while the next one decodes."""
-    buffers = _Buffers.empty(step, num_layers=model.num_layers, top_k=model.top_k)
+    buffers = _Buffers.empty(
+        step, num_layers=model.num_layers, top_k=model.top_k,
+        id_dtype=sampler.trace_id_dtype(model),
+    )  # fmt: skip
     progress = _Progress(buffers=buffers)
     hand_off = dict(step=step, reward_pool=reward_pool, detokenize=detokenize)
     number = 0  # chunks dispatched so far: chunk `number` draws from fold_in(key, number)
@@ -459,7 +464,7 @@ def _assemble(step: _Step, progress: _Progress, scores: pool_lib.RewardResults) 
         finished=buf.finished,
         logps=buf.logps,
         entropies=buf.entropies,
-        router=types.RouterTrace(expert_ids=buf.expert_ids, expert_weights=buf.expert_weights),
+        router=types.RouterTrace(expert_ids=buf.expert_ids, expert_weights=None),
     )
     return types.Rollout.from_samples(
         samples,

@@ -125,6 +125,12 @@ def sampling_model(model: handle.Model | SamplingModel | config_lib.ModelConfig)
     return model
 
 
+def trace_id_dtype(model: SamplingModel) -> np.dtype:
+    """The dtype of the sampler's recorded expert ids: `types.expert_id_dtype` of the model's
+    `num_experts`, int32 for a model without that attribute."""
+    return types.expert_id_dtype(getattr(model, "num_experts", 2**31))
+
+
 @flax.struct.dataclass
 class _State:
     """The decode loop's carry; rows (R) sharded along the mesh's data axes (`shard_rows`)."""
@@ -138,8 +144,8 @@ class _State:
     entropies: Float[Array, "R Tg"]
     done: Bool[Array, " R"]
     lengths: Int[Array, " R"]
-    ids: Int[Array, "R L Tg K"]
-    weights: Float[Array, "R L Tg K"]
+    ids: Int[Array, "R L Tg K"]  # `types.expert_id_dtype`
+    weights: Float[Array, "R L Tg K"] | None  # None unless `trace_weights`
 
 
 def _shard_rows(s: _State) -> _State:
@@ -153,7 +159,7 @@ def _shard_rows(s: _State) -> _State:
     return s.replace(
         cache=cache, logits=rows(s.logits), tokens=rows(s.tokens), logps=rows(s.logps),
         entropies=rows(s.entropies), done=rows(s.done), lengths=rows(s.lengths),
-        ids=rows(s.ids), weights=rows(s.weights),
+        ids=rows(s.ids), weights=None if s.weights is None else rows(s.weights),
     )  # fmt: skip
 
 
@@ -240,6 +246,7 @@ def sample_chunk(
     gen_len: int,
     sampling: SamplingParams,
     steps_per_check: int = 1,
+    trace_weights: bool = True,
 ) -> SampleOutput:
     """One compiled chunk: left-padded prompts [B, Tp] -> B*G rows of at most `budget` tokens.
 
@@ -257,6 +264,11 @@ def sample_chunk(
     for. The steps past the last live row are masked (every write keeps the row's value), so
     the output is the same for any value; `num_steps` counts the steps run, rounded up to a
     multiple of it. It is taken down to a divisor of `gen_len` (the cache has no slot past it).
+
+    The router trace holds ids in `types.expert_id_dtype` of the model's `num_experts` (int32
+    for a model without that attribute), and the gate weights only with `trace_weights`: an RL
+    rollout replays ids alone, and at Qwen3-235B's 8k tokens a chunk's float32 weights are
+    23.5 GiB that the host and every device would carry for nothing.
     """
     if prefix is not None and num_samples != 1:
         raise ValueError(f"a prefix (continuation) needs num_samples=1, got {num_samples}")
@@ -268,6 +280,7 @@ def sample_chunk(
         num_samples=num_samples, gen_len=gen_len, temperature=float(sampling.temperature),
         top_p=float(sampling.top_p), top_k=int(sampling.top_k), stop_ids=sampling.stop_ids,
         pad_id=sampling.pad_id, steps_per_check=math.gcd(int(steps_per_check), gen_len),
+        trace_weights=bool(trace_weights),
     )  # fmt: skip
 
 
@@ -275,7 +288,7 @@ def sample_chunk(
     jax.jit,
     static_argnames=(
         "model", "num_samples", "gen_len", "temperature", "top_p", "top_k", "stop_ids", "pad_id",
-        "steps_per_check",
+        "steps_per_check", "trace_weights",
     ),
 )  # fmt: skip
 def _sample_chunk(
@@ -295,6 +308,7 @@ def _sample_chunk(
     stop_ids: tuple[int, ...],
     pad_id: int,
     steps_per_check: int = 1,
+    trace_weights: bool = True,
 ) -> SampleOutput:
     """`sample_chunk` with the decoding settings as hashable statics (one compile per value)."""
     _traces[0] += 1  # runs while tracing only
@@ -302,6 +316,7 @@ def _sample_chunk(
     G, R, L, K = num_samples, prompts.shape[0] * num_samples, model.num_layers, model.top_k
     rep = lambda a: jnp.repeat(a, G, axis=0)
     steps = jnp.arange(gen_len)
+    id_dtype = trace_id_dtype(model)
 
     if prefix is None:
         inputs, input_mask, cache_len = prompts, prompt_mask, Tp + gen_len
@@ -319,21 +334,23 @@ def _sample_chunk(
     # Share the prefill across the G samples of each prompt: repeat rows, prompt-major.
     cache = pre.cache.repeat(G)
     real = input_mask[:, None, :, None]  # [B, 1, Tp(+Tg), 1]
-    trace_ids = rep(jnp.where(real, pre.router.expert_ids, -1))  # [R, L, Tp(+Tg), K]
-    trace_w = rep(jnp.where(real, pre.router.expert_weights, 0.0))
+    trace_ids = rep(jnp.where(real, pre.router.expert_ids, -1).astype(id_dtype))  # [R, L, T, K]
+    trace_w = rep(jnp.where(real, pre.router.expert_weights, 0.0)) if trace_weights else None
     if prefix is None:
         tokens = jnp.full((R, gen_len), pad_id, jnp.int32)
         logps = entropies = jnp.zeros((R, gen_len), jnp.float32)
-        gen_ids = jnp.full((R, L, gen_len, K), -1, jnp.int32)
-        gen_w = jnp.zeros((R, L, gen_len, K), jnp.float32)
+        gen_ids = jnp.full((R, L, gen_len, K), -1, id_dtype)
+        gen_w = jnp.zeros((R, L, gen_len, K), jnp.float32) if trace_weights else None
     else:
         in_prefix = steps[None] < start[:, None]  # [R, Tg]
         tokens = jnp.where(in_prefix, prefix.tokens, pad_id).astype(jnp.int32)
         logps = jnp.where(in_prefix, prefix.logps, 0.0)
         entropies = jnp.where(in_prefix, prefix.entropies, 0.0)
-        gen_ids, gen_w = trace_ids[:, :, Tp:], trace_w[:, :, Tp:]
+        gen_ids = trace_ids[:, :, Tp:]
+        gen_w = None if trace_w is None else trace_w[:, :, Tp:]
     prompt_trace = types.RouterTrace(
-        expert_ids=trace_ids[:, :, :Tp], expert_weights=trace_w[:, :, :Tp]
+        expert_ids=trace_ids[:, :, :Tp],
+        expert_weights=None if trace_w is None else trace_w[:, :, :Tp],
     )
     rows = jnp.arange(R)
 
@@ -347,6 +364,11 @@ def _sample_chunk(
         out = model.forward(params, token[:, None], attention_mask=live[:, None], cache=s.cache)
         at = jnp.minimum(s.lengths, gen_len - 1)  # each row writes at its own length
         live_lk = live[:, None, None]
+        ids = out.router.expert_ids[:, :, 0].astype(id_dtype)  # [R, L, K]
+        weights = s.weights
+        if weights is not None:
+            new = out.router.expert_weights[:, :, 0]
+            weights = weights.at[rows, :, at].set(jnp.where(live_lk, new, weights[rows, :, at]))
         return _shard_rows(
             _State(
                 step=s.step + 1,
@@ -360,12 +382,8 @@ def _sample_chunk(
                 ),
                 done=s.done | (live & _is_stop(token, stop_ids)),
                 lengths=s.lengths + live.astype(jnp.int32),
-                ids=s.ids.at[rows, :, at].set(
-                    jnp.where(live_lk, out.router.expert_ids[:, :, 0], s.ids[rows, :, at])
-                ),
-                weights=s.weights.at[rows, :, at].set(
-                    jnp.where(live_lk, out.router.expert_weights[:, :, 0], s.weights[rows, :, at])
-                ),
+                ids=s.ids.at[rows, :, at].set(jnp.where(live_lk, ids, s.ids[rows, :, at])),
+                weights=weights,
             )
         )
 
@@ -446,6 +464,7 @@ def sample(
     pad_id: int,
     buckets: scheduling.LengthBuckets = DEFAULT_BUCKETS,
     steps_per_check: int = 1,
+    trace_weights: bool = True,
 ) -> SampleOutput:
     """`num_samples` completions of each prompt (rows prompt-major), stopping at any stop id.
 
@@ -458,6 +477,7 @@ def sample(
         greedy), validated as `SamplingParams`.
       buckets: the prompt and generation lengths compiled for.
       steps_per_check: decode steps between checks of the loop's condition (`sample_chunk`).
+      trace_weights: record the router's gate weights as well as its ids (`sample_chunk`).
     """
     sp = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -475,5 +495,5 @@ def sample(
     return sample_chunk(
         sampling_model(model), params, jnp.asarray(prompts), jnp.asarray(mask), key,
         jnp.asarray(sp.max_new_tokens, jnp.int32), num_samples=num_samples, gen_len=gen_len,
-        sampling=sp, steps_per_check=steps_per_check,
+        sampling=sp, steps_per_check=steps_per_check, trace_weights=trace_weights,
     )  # fmt: skip

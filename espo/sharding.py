@@ -41,6 +41,10 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
 )
 
+# The rollout's layout (`rollout.param_layout="experts"`): experts over "expert", every other
+# dimension replicated, so a decode step gathers no weight (unruled names are replicated).
+ROLLOUT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (("expert", "expert"),)
+
 # Logical axes of each parameter by its name (the last key of its path); MoE expert weights
 # (under a "moe" key) have a leading expert axis; stacked layer runs ("blocks_<r>") a leading
 # "layers" axis.

@@ -259,7 +259,9 @@ def _packed_rows(batch: batching.TrainBatch, lay: _Micro) -> _Rows:
     take = functools.partial(packing.gather, rows=lay.src_rows, cols=lay.src_cols, real=real)
     router = types.RouterTrace(
         expert_ids=take(batch.router.expert_ids, axis=2, fill=-1),  # [R, L, T, K]
-        expert_weights=take(batch.router.expert_weights, axis=2, fill=0),
+        expert_weights=jax.tree.map(
+            lambda w: take(w, axis=2, fill=0), batch.router.expert_weights
+        ),  # None: an RL batch replays ids only
     )
     packed = dict(segment_ids=lay.segment_ids, positions=lay.positions)
     return _Rows(take(batch.tokens), real, take(batch.loss_mask, fill=False), router, packed)

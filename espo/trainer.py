@@ -144,6 +144,24 @@ def _reward_model(s: config_lib.Settings, tok):
     return rm
 
 
+def _rollout_params(s: config_lib.Settings, mesh, abstract_params, *, dtype: str):
+    """params -> the sampler's weights, once a step: FP8 with `rollout.fp8`, in the rollout's
+    own layout with `rollout.param_layout="experts"` (`sharding.ROLLOUT_RULES`); the identity
+    when neither applies."""
+    layout = None
+    if s.rollout.param_layout == "experts":
+        layout = sharding.param_shardings(mesh, abstract_params, sharding.ROLLOUT_RULES)
+    if layout is None and not s.rollout.fp8:
+        return lambda p: p
+
+    def convert(params):
+        if layout is not None:  # gathered here, once, instead of at every decode step
+            params = jax.lax.with_sharding_constraint(params, layout)
+        return quant.quantize_fp8(params, keep_dtype=dtype) if s.rollout.fp8 else params
+
+    return jax.jit(convert)
+
+
 def _history(s: config_lib.Settings, train_src) -> zero_variance.PassRateHistory:
     """A fresh run's pass-rate history: empty, or zve.pass_rate_table's offline pass rates (a
     table of this run's training prompts, scored at its advantage.success_threshold)."""
@@ -341,7 +359,6 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     sampler_handle = model_lib.Model(
         dataclasses.replace(model_cfg, dtype=s.rollout.dtype or model_cfg.dtype)
     )
-    fp8 = jax.jit(functools.partial(quant.quantize_fp8, keep_dtype=sampler_handle.cfg.dtype))
 
     # ---- resume, or warm start ------------------------------------------------------------------
     # Resume order: 1. the newest checkpoint step; 2. its model config must match; 3. arrays
@@ -374,6 +391,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         donate_argnums=(0,),
         out_shardings=(state_sharding, rep),
     )
+    rollout_params = _rollout_params(s, mesh, abstract.params, dtype=sampler_handle.cfg.dtype)
     latest = ckpt.latest_step()
     evaluate_now = functools.partial(
         _evaluate, handle, evals=evals, encode=encode, reward_fn=reward_fn, tok=tok, s=s, stop=stop
@@ -428,7 +446,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
             key = jax.random.fold_in(jax.random.fold_in(root, 2), step)
             stage = curr.stage(host.curriculum)
             with timer.phase("rollout"):
-                params_r = fp8(state.params) if s.rollout.fp8 else state.params
+                params_r = rollout_params(state.params)
                 gen = _Generator(s=s, stage=stage, handle=sampler_handle, params=params_r,
                                  pool=pool, host=host, encode=encode, stop=stop, key=key, Tp=Tp,
                                  Tg=Tg, reward_model=reward_model)  # fmt: skip

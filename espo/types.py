@@ -19,22 +19,36 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 
+def expert_id_dtype(num_experts: int) -> np.dtype:
+    """The smallest signed integer type that holds every expert id and the -1 of unrecorded
+    slots: int8 up to 128 experts (Qwen3-MoE's 128 included), int16 up to 32,768."""
+    for dtype in (np.int8, np.int16):
+        if num_experts - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int32)
+
+
 @flax.struct.dataclass
 class RouterTrace:
     """The routing decisions of every layer for every token.
 
     Attributes:
-      expert_ids: int32 [B, L, T, K], the experts each token was sent to in each layer. Layers
-        without a MoE block (dense layers) and unrecorded positions hold -1.
+      expert_ids: signed int [B, L, T, K], the experts each token was sent to in each layer.
+        Layers without a MoE block (dense layers) and unrecorded positions hold -1. A forward
+        returns int32; the sampler records the smallest type that holds the model's expert ids
+        (`expert_id_dtype`: int8 up to 128 experts); replay casts them back.
       expert_weights: float32 [B, L, T, K], the gate weight of each chosen expert (after the
-        model's own normalisation); 0 where `expert_ids` is -1.
+        model's own normalisation); 0 where `expert_ids` is -1. None when not recorded: an RL
+        rollout records ids only (as verl's router replay does), since replaying ids
+        (`RoutingMode.REPLAY_IDS`) recomputes the gates from the live router; only
+        `REPLAY_IDS_AND_WEIGHTS` reads them.
 
     The trace is an ordinary batch-leading array input: replaying it under `jit`, `pmap` or
     `shard_map` needs nothing special; shard it along batch like the tokens.
     """
 
     expert_ids: Int[Array, "B L T K"]
-    expert_weights: Float[Array, "B L T K"]
+    expert_weights: Float[Array, "B L T K"] | None
 
     @classmethod
     def empty(cls, *, batch: int, num_layers: int, length: int, top_k: int) -> RouterTrace:

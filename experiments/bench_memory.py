@@ -262,9 +262,9 @@ def measure(point: dict) -> dict:
     args = [params, jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, T), bool)]
     if point["replay"]:
         shape = (B, cfg.num_layers, T, cfg.top_k)
-        trace = types.RouterTrace(
-            expert_ids=jax.ShapeDtypeStruct(shape, jnp.int32),
-            expert_weights=jax.ShapeDtypeStruct(shape, jnp.float32),
+        trace = types.RouterTrace(  # ids only, as the rollout records them
+            expert_ids=jax.ShapeDtypeStruct(shape, types.expert_id_dtype(cfg.num_experts)),
+            expert_weights=None,
         )
         args.append(trace)
     else:

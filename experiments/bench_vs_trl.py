@@ -235,7 +235,8 @@ def espo_update_worker(ckpt, data, *, new_tokens: int, steps: int, extra: dict) 
     tokens, mask = _micro_batch(cfg.vocab_size, new_tokens)
     free = model.forward(cfg, params, tokens, attention_mask=mask)
     ids = np.where(mask[:, None, :, None], np.asarray(free.router.expert_ids), -1)
-    trace = types.RouterTrace(expert_ids=ids, expert_weights=np.zeros(ids.shape, np.float32))
+    ids = ids.astype(types.expert_id_dtype(cfg.num_experts))
+    trace = types.RouterTrace(expert_ids=ids, expert_weights=None)  # as the rollout records it
     loss_mask = mask.copy()
     loss_mask[:, :32] = False
     zeros = np.zeros(tokens.shape, np.float32)

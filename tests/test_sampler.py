@@ -20,7 +20,7 @@ import pytest
 from absl.testing import parameterized
 from jax.sharding import PartitionSpec as P
 
-from espo import errors, model, quant, sampler, scheduling, sharding, testing, train_step
+from espo import errors, model, quant, sampler, scheduling, sharding, testing, train_step, types
 from espo.testing import raises_invalid
 
 EOS, PAD = 5, 0
@@ -427,6 +427,42 @@ def test_logps_entropies_and_trace_equal_the_full_forward(params, temperature, t
         routing_mode=model.RoutingMode.REPLAY_IDS,
     )  # fmt: skip
     np.testing.assert_allclose(replay.logits[mask], full.logits[mask], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "dtype"),
+    [(1, np.int8), (128, np.int8), (129, np.int16), (32768, np.int16), (32769, np.int32)],
+)
+def test_the_trace_id_type_holds_the_largest_id_and_minus_one(num_experts, dtype):
+    got = types.expert_id_dtype(num_experts)
+    assert got == dtype
+    assert np.array([num_experts - 1, -1], got).tolist() == [num_experts - 1, -1]
+
+
+@pytest.mark.slow
+def test_an_ids_only_trace_decodes_the_same_and_is_compact(params):
+    """trace_weights=False (the rollout's) records the same ids in the model's smallest id type
+    and samples the same rows; the weights, when recorded, are the full forward's."""
+    both, ids_only = _sample(params), _sample(params, trace_weights=False)
+    assert ids_only.router.expert_weights is None
+    assert both.router.expert_ids.dtype == ids_only.router.expert_ids.dtype == np.int8
+    chex.assert_trees_all_equal(ids_only.replace(router=None), both.replace(router=None))
+    np.testing.assert_array_equal(ids_only.router.expert_ids, both.router.expert_ids)
+    tokens, mask = both.training_inputs()
+    full = _forward(params, tokens, attention_mask=mask)
+    real = np.asarray(mask)[:, None, :, None]
+    np.testing.assert_allclose(
+        np.where(real, both.router.expert_weights, 0),
+        np.where(real, full.router.expert_weights, 0), atol=1e-5,
+    )  # fmt: skip
+    # An ids-only trace replays ids (the trainer's mode), not the weights it does not hold.
+    replay = functools.partial(
+        _forward, params, tokens, attention_mask=mask, routing=ids_only.router
+    )
+    ids = replay(routing_mode=model.RoutingMode.REPLAY_IDS)
+    np.testing.assert_allclose(ids.logits[mask], full.logits[mask], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="expert_weights"):
+        replay(routing_mode=model.RoutingMode.REPLAY_IDS_AND_WEIGHTS)
 
 
 @pytest.mark.slow

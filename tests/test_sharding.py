@@ -75,6 +75,20 @@ def test_rules_shard_experts_and_the_model_dimension():
     assert specs["blocks_1"]["moe"]["up_proj"] == P(None, None, None, None)
 
 
+def test_the_rollout_rules_shard_only_the_experts():
+    specs = jax.tree.map(
+        lambda s: s.spec,
+        sharding.param_shardings(
+            _mesh(fsdp=2, expert=4), model_lib.Model(CFG).param_shapes(), sharding.ROLLOUT_RULES
+        ),
+    )
+    moe = specs["blocks_1"]["moe"]
+    assert moe.pop("down_proj") == moe.pop("up_proj") == P(None, "expert", None, None)
+    assert moe.pop("gate_proj") == P(None, "expert", None, None)
+    rest = {p for p in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))}  # popped
+    assert all(set(p) <= {None} for p in rest), rest  # everything else whole on every device
+
+
 def test_a_mesh_that_does_not_divide_the_experts_or_the_model_names_them():
     params = model_lib.Model(CFG).param_shapes()
     with pytest.raises(

@@ -43,6 +43,10 @@ class Model:
         return self.cfg.top_k
 
     @property
+    def num_experts(self) -> int:
+        return self.cfg.num_experts
+
+    @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 

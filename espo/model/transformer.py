@@ -362,6 +362,11 @@ def forward(
                 f"routing_mode={routing_mode.name} needs routing.expert_ids of shape "
                 f"[B, L, T, K]={want}, got {got}"
             )
+        if routing_mode is RoutingMode.REPLAY_IDS_AND_WEIGHTS and routing.expert_weights is None:
+            raise ValueError(
+                "routing_mode=REPLAY_IDS_AND_WEIGHTS needs routing.expert_weights; this trace "
+                "holds ids only (sample with trace_weights=True, or replay with REPLAY_IDS)"
+            )
         concrete = not isinstance(routing.expert_ids, jax.core.Tracer) and not isinstance(
             attention_mask, jax.core.Tracer
         )
@@ -379,7 +384,9 @@ def forward(
     replay = None
     if routing is not None and routing_mode is not RoutingMode.FREE:
         to_layer_major = functools.partial(jnp.swapaxes, axis1=0, axis2=1)  # [L, B, T, K]
-        replay = (to_layer_major(routing.expert_ids), to_layer_major(routing.expert_weights))
+        weights = routing.expert_weights  # None: a trace of ids only (an RL rollout's)
+        weights = None if weights is None else to_layer_major(weights)
+        replay = (to_layer_major(routing.expert_ids), weights)
     unrolled = run_name(0) not in params  # per-layer params (`unstack_layers`)
     model = Transformer(cfg, routing_mode, dispatch_impl, replay_missing, unrolled, return_logits)
     logits, hidden, new_kv, run_extras = model.apply(

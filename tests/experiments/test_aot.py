@@ -11,6 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 import aot  # noqa: E402
+import aot_programs  # noqa: E402
 import roofline  # noqa: E402
 
 from espo.model import transformer  # noqa: E402
@@ -31,25 +32,25 @@ def test_presets_have_the_published_parameter_counts(preset, total, active):
     cfg = getattr(ModelConfig, preset)()
     assert _param_count(cfg) == pytest.approx(total, rel=0.01)
     embedding = cfg.vocab_size * cfg.d_model  # "activated" counts the embedding too
-    got = aot.model_flops_per_token(cfg, context=0)["active_params"] + embedding
+    got = aot_programs.model_flops_per_token(cfg, context=0)["active_params"] + embedding
     assert got == pytest.approx(active, rel=0.02)
 
 
 def test_config_presets_build_the_real_shapes():
     """The qwen3_moe presets: the architecture, T, rows a step and the reasoning-length settings."""
-    s, cfg = aot.settings_of("configs/qwen3_moe.py:30b_a3b_long")
+    s, cfg = aot_programs.settings_of("configs/qwen3_moe.py:30b_a3b_long")
     assert cfg == ModelConfig.qwen3_30b_a3b(remat="full", moe_chunk=4096)
-    shp = aot.shapes_of(s, cfg, devices=8)
+    shp = aot_programs.shapes_of(s, cfg, devices=8)
     assert (shp["T"], shp["rows_per_device"], shp["step_rows"]) == (32768, 1, 512)
     assert shp["chunk_rows"] % 8 == 0 and shp["chunk_rows"] % shp["G"] == 0
-    s, cfg = aot.settings_of("configs/qwen3_moe.py:235b_a22b")
-    assert cfg.num_layers == 94 and aot.shapes_of(s, cfg, devices=64)["T"] == 8192
+    s, cfg = aot_programs.settings_of("configs/qwen3_moe.py:235b_a22b")
+    assert cfg.num_layers == 94 and aot_programs.shapes_of(s, cfg, devices=64)["T"] == 8192
 
 
 def test_static_bytes_and_the_mesh_search():
     """Params + Adam's two moments, per device: the whole f32 state unsharded, and meshes whose
     state cannot fit the HBM are not tried (the tiny model: 4 experts, width 32)."""
-    s, cfg = aot.settings_of("configs/default.py:tiny")
+    s, cfg = aot_programs.settings_of("configs/default.py:tiny")
     whole = 3 * 4 * _param_count(cfg)  # float32 params, mu and nu
     assert aot.static_bytes(s, cfg, (8, 1, 1)) == pytest.approx(whole, rel=1e-3)
     assert aot.static_bytes(s, cfg, (1, 2, 4)) < whole / 3  # norms stay replicated
@@ -83,7 +84,9 @@ def test_one_update_a_step_has_no_pi_old_forward():
     old = res["programs"]["old"]
     assert old["measured_s"] > 0  # --run: the compiled program timed here
     assert old["params"] == 0 and old["flops"] == 0
-    assert old["resident"] == pytest.approx(aot.static_bytes(*aot.settings_of(args[1]), (1, 1, 1)))
+    assert old["resident"] == pytest.approx(
+        aot.static_bytes(*aot_programs.settings_of(args[1]), (1, 1, 1))
+    )
     assert old["inputs"] >= 0
 
 
@@ -104,6 +107,20 @@ def test_breakdown_adds_up_to_xla(two_devices):
     assert roll["resident"] == pytest.approx(up["params"] + up["opt_state"])
     assert roll["params"] < up["params"] / 2  # FP8 weights (f32 training params)
     assert "projection" in two_devices and two_devices["projection"]["tokens_per_s_per_chip"] > 0
+
+
+def test_the_rollout_layout_gathers_no_weight_at_decode(two_devices):
+    """fsdp=2: on the training layout each decode step all-gathers every layer's weights;
+    rollout.param_layout="experts" (experts over the expert axis, here of size 1) holds them
+    whole, converted once a step, so the rollout chunk sends a tenth or less (the outputs'
+    replication is what is left: 7% here) and holds twice the weights."""
+    args = ["--config", "configs/default.py:tiny", "--gpus", "2", "--mesh", "fsdp=2"]
+    args += ["--programs", "rollout", "--set", "rollout.param_layout=experts"]
+    (res,) = aot.main(args)["results"]
+    sent = lambda row: sum(c["bytes"] for c in row["collectives"].values())  # noqa: E731
+    training, own = two_devices["results"][0]["programs"]["rollout"], res["programs"]["rollout"]
+    assert sent(own) < 0.1 * sent(training), (sent(own), sent(training))
+    assert own["params"] == pytest.approx(2 * training["params"], rel=0.1)
 
 
 def test_a_config_that_cannot_fit_is_reported_as_such(two_devices):
@@ -175,11 +192,13 @@ def test_the_update_keeps_the_state_dtypes_of_bf16_params():
     """The update's new state has its input's dtypes with bf16 params (a float32 mean gradient
     made Adam's moments float32 after the first update: a recompile, twice their memory, and
     the donated state not aliased)."""
-    s, cfg = aot.settings_of(
+    s, cfg = aot_programs.settings_of(
         "configs/qwen3_moe.py:tiny", ('model.param_dtype="bfloat16"', 'model.dtype="bfloat16"')
     )
-    mesh = aot.mesh_over(jax.devices()[:1], {})
-    fn, (state, mini), *_ = aot.programs(s, cfg, mesh, aot.shapes_of(s, cfg, 1))["update"]
+    mesh = aot_programs.mesh_over(jax.devices()[:1], {})
+    fn, (state, mini), *_ = aot_programs.programs(s, cfg, mesh, aot_programs.shapes_of(s, cfg, 1))[
+        "update"
+    ]
     new, _ = jax.eval_shape(fn, state, mini)
     dtypes = lambda tree: [a.dtype for a in jax.tree.leaves(tree)]  # noqa: E731
     assert dtypes(new.opt_state) == dtypes(state.opt_state)
