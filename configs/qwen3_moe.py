@@ -40,14 +40,18 @@ _spec.loader.exec_module(default)
 # (G-GBS rows a step, T-GBS rows an update), and the mesh the aot tool found to fit.
 PRESETS = {
     # Qwen3-30B-A3B at NeMo-RL's shape: 4k tokens, 64 prompts x 32 = 2,048 rows, 512 an update
+    # (layout: the rollout's weights, rollout.param_layout: experts over `expert`, the rest
+    # replicated; 235B keeps the training layout, whose experts also split over fsdp)
     "30b_a3b": dict(model="qwen3_30b_a3b", prompt=1024, new=3072, prompts=64, group=32,
-                    mini=512, budget=8192, mesh=dict(data=1, fsdp=1, expert=8)),
+                    mini=512, budget=8192, mesh=dict(data=1, fsdp=1, expert=8), layout="experts"),
     # the same at reasoning length: 2k + 30k tokens (the "long" settings)
     "30b_a3b_long": dict(model="qwen3_30b_a3b", prompt=2048, new=30720, prompts=32, group=16,
-                         mini=128, budget=32768, mesh=dict(data=1, fsdp=1, expert=8)),
+                         mini=128, budget=32768, mesh=dict(data=1, fsdp=1, expert=8),
+                         layout="experts"),
     # Qwen3-235B-A22B at NeMo-RL's shape: 8k tokens, 32 prompts x 16 = 512 rows a step
     "235b_a22b": dict(model="qwen3_235b_a22b", prompt=1024, new=7168, prompts=32, group=16,
-                      mini=512, budget=8192, mesh=dict(data=1, fsdp=8, expert=8)),
+                      mini=512, budget=8192, mesh=dict(data=1, fsdp=8, expert=8),
+                      layout="training"),
 }  # fmt: skip
 
 
@@ -73,6 +77,7 @@ def preset(c: ml_collections.ConfigDict, name: str) -> None:
     c.model.remat = "full"  # each layer's input kept, the rest recomputed
     c.model.moe_chunk = 4096  # the MoE's (token, expert) buffers 4k tokens at a time
     c.rollout.max_chunk_size = 256  # rows decoded together
+    c.rollout.param_layout = p["layout"]
     c.mesh.update(p["mesh"])
 
 

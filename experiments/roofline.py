@@ -357,11 +357,14 @@ def hlo_collectives(hlo_text: str, *, unknown_trip: int = 1) -> dict[str, dict]:
             if opcode == "while":
                 m, cond = _TRIP.search(rest), re.search(r"\bcondition=%?([\w.\-]+)", rest)
                 trip = int(m.group(1)) if m else _condition_trip(comps, cond and cond.group(1))
+            times = 1  # a fusion's, call's or async op's computation runs once
+            if opcode == "while":
+                times = unknown_trip if trip is None else trip
             for callee in callees:
                 child = totals(callee, active | {name})
                 if opcode == "while" and trip is None:
                     child = {k: [c, b, c] for k, (c, b, _) in child.items()}
-                _add(got, child, unknown_trip if trip is None else trip)
+                _add(got, child, times)
         memo[name] = got
         return got
 

@@ -321,6 +321,14 @@ def test_hlo_collectives_of_a_hand_written_module():
         "collective-permute": row(2, 400 + 32),
         "ragged-all-to-all": row(0, 0.0),
     }
+    # A decode loop of 5 steps: only the loop without a recorded trip count runs 5 times; the
+    # computations of async ops and conditionals elsewhere run once (XLA:TPU wraps a
+    # reduce-scatter in a fusion: once, not once per decode step).
+    five = roofline.hlo_collectives(HLO, unknown_trip=5)
+    assert five["all-reduce"] == row(6, 5 * 70 + 96, unknown=5)
+    assert {k: v for k, v in five.items() if k != "all-reduce"} == {
+        k: v for k, v in got.items() if k != "all-reduce"
+    }
 
 
 COMPILE = """
