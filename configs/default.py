@@ -160,9 +160,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.rollout.fp8 = True  # sample from FP8 (e4m3) weights; training stays in param_dtype
     c.rollout.dtype = ""  # sampler activation dtype (float32 | bfloat16); "" = model.dtype
     c.rollout.max_chunk_size = 128  # rows decoded together
-    # The sampler's weights on a mesh: training (the update's layout) | experts (experts over
-    # the expert axis, the rest replicated: no weight gathered at a decode step; once a step)
-    c.rollout.param_layout = "training"
+    # experts: the sampler's weights with experts over the expert axis, the rest replicated
+    # (no weight gathered at a decode step; converted once a step)
+    c.rollout.param_layout = "training"  # the sampler's weights on a mesh: training | experts
     c.rollout.schedule = "length_aware"  # length_aware | fifo
     c.rollout.prefill_cost = 1.0  # a re-prefilled position in decode slot-steps (CPU ~1)
     c.rollout.steps_per_check = 1  # decode steps between loop-condition checks (GPU: more)

@@ -77,7 +77,7 @@ def preset(c: ml_collections.ConfigDict, name: str) -> None:
     c.model.remat = "full"  # each layer's input kept, the rest recomputed
     c.model.moe_chunk = 4096  # the MoE's (token, expert) buffers 4k tokens at a time
     c.rollout.max_chunk_size = 256  # rows decoded together
-    c.rollout.param_layout = p["layout"]
+    c.rollout.param_layout = p["layout"]  # the sampler's weights: experts | training
     c.mesh.update(p["mesh"])
 
 
