@@ -364,11 +364,8 @@ def _sample_chunk(
         out = model.forward(params, token[:, None], attention_mask=live[:, None], cache=s.cache)
         at = jnp.minimum(s.lengths, gen_len - 1)  # each row writes at its own length
         live_lk = live[:, None, None]
-        ids = out.router.expert_ids[:, :, 0].astype(id_dtype)  # [R, L, K]
-        weights = s.weights
-        if weights is not None:
-            new = out.router.expert_weights[:, :, 0]
-            weights = weights.at[rows, :, at].set(jnp.where(live_lk, new, weights[rows, :, at]))
+        # This step's routing [R, L, K] at each live row's position of a trace buffer.
+        trace = lambda buf, new: buf.at[rows, :, at].set(jnp.where(live_lk, new, buf[rows, :, at]))
         return _shard_rows(
             _State(
                 step=s.step + 1,
@@ -382,8 +379,10 @@ def _sample_chunk(
                 ),
                 done=s.done | (live & _is_stop(token, stop_ids)),
                 lengths=s.lengths + live.astype(jnp.int32),
-                ids=s.ids.at[rows, :, at].set(jnp.where(live_lk, ids, s.ids[rows, :, at])),
-                weights=weights,
+                ids=trace(s.ids, out.router.expert_ids[:, :, 0].astype(id_dtype)),
+                weights=None
+                if s.weights is None
+                else trace(s.weights, out.router.expert_weights[:, :, 0]),
             )
         )
 
