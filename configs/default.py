@@ -226,6 +226,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.eval.num_prompts = 1024  # held-out prompts of eval.split evaluated (greedy pass@1)
     c.eval.sampled_prompts = 64  # of them, the first this many also sampled (avg@k, pass@k, maj@k)
     c.eval.split = "test"  # test (report) | dev (tune): held-out halves (eval_path: all test)
+    c.eval.min_difficulty = 0.0  # held-out prompts of at least this level only (0: all)
     c.eval.temperature = 1.0  # of the k samples (pass@1 is greedy)
     c.eval.batch_size = 256  # rows per sampler call
 

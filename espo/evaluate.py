@@ -64,6 +64,9 @@ class EvalConfig:
     every_steps: int = 0
     num_prompts: int = 256
     split: str = "test"
+    # Only held-out prompts of at least this difficulty level (`Example.difficulty`, in [0, 1]);
+    # 0 = every prompt. Above 0, prompts without a level (NaN) are left out.
+    min_difficulty: float = 0.0
 
     def __post_init__(self):
         checks = {
@@ -88,6 +91,10 @@ class EvalConfig:
             "every_steps": (_is_int(self.every_steps) and self.every_steps >= 0, "an int >= 0"),
             "num_prompts": (_is_int(self.num_prompts) and self.num_prompts >= 1, "an int >= 1"),
             "split": (self.split in EVAL_SPLITS, " | ".join(EVAL_SPLITS)),
+            "min_difficulty": (
+                errors.is_real(self.min_difficulty) and 0 <= self.min_difficulty <= 1,
+                "a number in [0, 1] (0: every prompt)",
+            ),
         }
         errors.check(self, checks)
 

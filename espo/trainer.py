@@ -125,6 +125,32 @@ def reward_fn_of(s: config_lib.Settings):
     return math_reward.MathReward()
 
 
+def held_out_examples(
+    s: config_lib.Settings,
+    eval_src,
+    prompt_tokens,
+    *,
+    split: str | None = None,
+    num_prompts: int | None = None,
+) -> list[examples_lib.Example]:
+    """The held-out examples a run evaluates, in order: the first eval.num_prompts distinct
+    prompts (`sources.eval_subset`) of eval.split (test: report; dev: tune; a held-out file of
+    the user's, data.eval_path, is the test set whole) whose `prompt_tokens(example)` fit
+    data.max_prompt_length and whose level is at least eval.min_difficulty. `split` /
+    `num_prompts` replace eval.split / eval.num_prompts."""
+    split = s.eval.split if split is None else split
+    floor = s.eval.min_difficulty
+    return sources.eval_subset(
+        eval_src,
+        s.eval.num_prompts if num_prompts is None else num_prompts,
+        keep=lambda e: (
+            prompt_tokens(e) <= s.max_prompt_length
+            and (s.data.eval_path or sources.eval_split_of(e.prompt) == split)
+            and (floor == 0 or e.difficulty >= floor)  # NaN (no level) is not >= floor
+        ),
+    )
+
+
 def _reward_model(s: config_lib.Settings, tok):
     """reward.model_path: the reward-model stage of the rollouts (None without one), loaded and
     checked against the tokenizer at start."""
@@ -316,19 +342,11 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         raise e.moved(key, errors.ConfigError) from None
     encoded: dict[str, list[int]] = {}
     encode = lambda e: encoded.setdefault(e.id, tok.encode_prompt(e.prompt))
-    # The held-out half named by eval.split (test: report; dev: tune), prompts that fit; a
-    # held-out file of the user's (data.eval_path) is the test set whole.
-    evals = sources.eval_subset(
-        eval_src,
-        s.eval.num_prompts,
-        keep=lambda e: (
-            len(encode(e)) <= s.max_prompt_length
-            and (s.data.eval_path or sources.eval_split_of(e.prompt) == s.eval.split)
-        ),
-    )
+    evals = held_out_examples(s, eval_src, lambda e: len(encode(e)))
     if not evals:
         raise ValueError(
-            f"no held-out prompt of eval.split={s.eval.split!r} fits "
+            f"no held-out prompt of eval.split={s.eval.split!r} and level >= "
+            f"eval.min_difficulty={s.eval.min_difficulty} fits "
             f"data.max_prompt_length={s.max_prompt_length}"
         )
     reward_fn = reward_fn_of(s)

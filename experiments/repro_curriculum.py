@@ -60,12 +60,13 @@ def _difficulty(terms: int, preset: str) -> float:
     return (terms - 3) / (top - 3)
 
 
-def arms(preset: str) -> dict[str, repro_lib.Arm]:
+def arms(preset: str, steps: int | None = None) -> dict[str, repro_lib.Arm]:
+    """The arms at `preset`; `steps` (default the preset's) sets the length of the stages."""
     stage = repro_lib.config_module(NAME).stage
     if preset == "quick":
-        steps, budget, G, cuts = 2, 16, 4, (4, 4)  # the tiny config's budget and G
+        steps, budget, G, cuts = steps or 2, 16, 4, (4, 4)  # the tiny config's budget and G
     else:
-        steps, budget, G, cuts = DEPTH[preset]["train.steps"], BUDGET, 8, (6, 8)
+        steps, budget, G, cuts = steps or DEPTH[preset]["train.steps"], BUDGET, 8, (6, 8)
     third = max(1, steps // 3)
     common = dict(group_size=G, max_new_tokens=budget)
     staged = lambda advance: (

@@ -371,8 +371,7 @@ def eval_examples(
     cfg: ml_collections.ConfigDict, *, split: str | None = None, num_prompts: int | None = None
 ) -> list:
     """The held-out examples a run of `cfg` evaluates, in its order, chosen as `espo.trainer`
-    chooses them: the first eval.num_prompts distinct held-out prompts (`sources.eval_subset`)
-    of eval.split that fit data.max_prompt_length tokens. `split` / `num_prompts` replace
+    chooses them (`trainer.held_out_examples`). `split` / `num_prompts` replace
     eval.split / eval.num_prompts (the dev split the pilots tuned on). Generates the data, runs
     nothing."""
     from espo import config as config_lib
@@ -380,14 +379,10 @@ def eval_examples(
     from espo.data import tokenizer as tokenizer_lib
 
     s = config_lib.Settings.from_config(cfg)
-    split = s.eval.split if split is None else split
     tok = tokenizer_lib.load_tokenizer(s.hf_path)
     _, held_out = sources.make_sources(s.data)
-    keep = lambda e: (
-        len(tok.encode_prompt(e.prompt)) <= s.max_prompt_length
-        and (s.data.eval_path or sources.eval_split_of(e.prompt) == split)
-    )
-    return sources.eval_subset(held_out, num_prompts or s.eval.num_prompts, keep=keep)
+    count = lambda e: len(tok.encode_prompt(e.prompt))
+    return trainer.held_out_examples(s, held_out, count, split=split, num_prompts=num_prompts)
 
 
 def teacher_ceiling(examples: Sequence, *, flaw: str, error: float) -> dict[str, float]:

@@ -272,6 +272,9 @@ def test_errors_name_the_field():
         ("temperature", 0.0, "a finite number > 0"),
         ("max_new_tokens", 0, "an int >= 1"),
         ("batch_size", 4, "an int >= samples=8"),
+        ("min_difficulty", 1.5, "a number in [0, 1]"),
+        ("min_difficulty", -0.1, "a number in [0, 1]"),
+        ("min_difficulty", True, "a number in [0, 1]"),
     ]:
         with raises_invalid(field, where="EvalConfig") as info:
             evaluate.EvalConfig(**(dict(max_new_tokens=4) | {field: value}))

@@ -2,6 +2,7 @@
 ceiling counted on the prompts a run evaluates, the paired differences, the binomial width, and
 the docs' results.md files equal to what their generators print from the stored results.json."""
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -9,7 +10,7 @@ import pathlib
 import pytest
 
 from espo import config as config_lib
-from espo import testing
+from espo import testing, trainer
 from espo.data import examples as examples_lib
 from espo.data import sources
 
@@ -157,3 +158,40 @@ def test_testbed_own_warm_starts_quick(tmp_path):
     assert cfg["seed"] == 1 and cfg["train"]["steps"] == 0
     assert data["ceiling"]["prompts"] == data["num_prompts"]
     assert "SFT x2 minus each seed's own warm start" in (tmp_path / "results.md").read_text()
+
+
+def test_min_difficulty_keeps_the_held_out_prompts_of_that_level_and_above():
+    """eval.min_difficulty on the tiny config's chains (3-5 terms, difficulty (terms - 3) / 2):
+    the same prompts in the same order as without it, less those below the level; at 1 only the
+    longest chains; a source without levels (NaN) keeps nothing above 0 and everything at 0."""
+    over = {"data.max_terms": 5, "data.terms_decay": 1.0, "eval.num_prompts": 1000}
+    every = lib.eval_examples(lib.config("quick", over, name="default"))
+    assert {len(e.meta["terms"]) for e in every} == {3, 4, 5}
+    for floor, shortest in ((0.5, 4), (1.0, 5)):
+        cfg = lib.config("quick", {**over, "eval.min_difficulty": floor}, name="default")
+        got = [e.prompt for e in lib.eval_examples(cfg)]
+        assert got == [e.prompt for e in every if len(e.meta["terms"]) >= shortest], floor
+    s = config_lib.Settings.from_config(lib.config("quick", over, name="default"))
+    examples = [dataclasses.replace(_example(i, i), difficulty=math.nan) for i in range(20)]
+    unlevelled = sources.Source(name="x", examples=examples, num_skipped=0)
+    at = lambda f: dataclasses.replace(s, eval=dataclasses.replace(s.eval, min_difficulty=f))
+    one_token = lambda e: 1
+    tests = [e.prompt for e in examples if sources.eval_split_of(e.prompt) == "test"]
+    assert tests and len(tests) < len(examples)
+    got = trainer.held_out_examples(at(0.0), unlevelled, one_token)
+    assert [e.prompt for e in got] == tests
+    assert trainer.held_out_examples(at(0.01), unlevelled, one_token) == []
+
+
+def test_the_confirmatory_curriculum_evaluates_every_ten_term_test_prompt():
+    """repro_curriculum_confirm's pre-registered test set: the 188 ten-term prompts of the test
+    half, all sampled; and its verdict rule at the interval's edges."""
+    confirm = _load("repro_curriculum_confirm")
+    cfg = lib.config("default", confirm.CONFIRM, name="default")
+    test = lib.eval_examples(cfg)
+    assert len(test) == 188 and {len(e.meta["terms"]) for e in test} == {10}
+    assert cfg.eval.sampled_prompts == 0 and cfg.eval.samples == 16
+    assert confirm.verdict([0.05, 0.06, 0.04]) == "confirmed"
+    assert confirm.verdict([-0.05, -0.06, -0.04]) == "contradicted"
+    assert confirm.verdict([0.05, -0.04, 0.02]).startswith("not confirmed")
+    assert confirm.verdict([0.05]).startswith("no verdict")

@@ -1,0 +1,108 @@
+"""The curriculum, confirmatory (issue 55, experiment 2): staged vs uniform vs hardest-only on
+fresh seeds, pass@16 on every ten-term test prompt, three times the steps. Written, with its
+metric and its analysis, before the first run.
+
+Run:  python experiments/repro_curriculum_confirm.py [--seeds 8,9,10,11,12,13] [--out DIR]
+      (resumes; `--records docs/repro/curriculum_confirm/records` re-summarizes)
+
+Why: experiments/repro_curriculum.py (seeds 0-7, 45 steps, pass@8 on about 64 ten-term
+prompts) left staged minus uniform at +0.018 ± 0.043 on pass@8, and the hardest-only comparison
+was added after seeds 0-2. This run fixes everything before it starts:
+- Task and arms: repro_curriculum's depth protocol (make run's warm start on 3-6 terms, RL on
+  3-10 terms, 144 new tokens, G = 8, equal rollouts in every arm) with its arms `staged` (levels
+  up to 6 terms for the first third of the steps, up to 8 for the second, all for the rest),
+  `uniform` (every level from the first step) and `hard` (9-10 terms only).
+- Steps: 135, three times the exploratory 45 (stages of 45 steps).
+- Seeds: 8-13, none used before; one shared warm start (warm_start_default_8, trained with
+  seed 8), so the interval is over RL seeds from that warm start, not over warm starts.
+- Test set: every ten-term prompt of the test half, 188 of them (`eval.min_difficulty` = 1),
+  fixed across seeds and arms; nothing was tuned on it. Evaluated at the start and the end.
+- **Primary metric**: pass@16 (16 samples at temperature 1) on the 188 ten-term test prompts at
+  the last step. **Primary comparison**: staged minus uniform, paired by seed, mean and 95%
+  Student-t interval over the 6 seeds. Verdict: "confirmed" if the interval lies above 0,
+  "contradicted" if below, otherwise "not confirmed (the interval includes 0)".
+- Secondary (reported, no verdict): staged minus hardest-only and uniform minus hardest-only
+  on the same metric; greedy pass@1 on the same prompts; new tokens generated.
+Written to OUT (default runs/repro/curriculum_confirm): results.md / results.json, hardest.png.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import repro_curriculum  # noqa: E402
+import repro_lib  # noqa: E402
+
+SEEDS = "8,9,10,11,12,13"
+ARMS = "staged,uniform,hard"
+PRIMARY = ("staged", "uniform")  # arm minus base, paired by seed
+K = 16
+CONFIRM = {
+    **repro_curriculum.DEPTH["default"],
+    "train.steps": 135,
+    "checkpoint.every_steps": 15,
+    "eval.min_difficulty": 1.0,  # the ten-term level only (difficulty (terms - 3) / 7)
+    "eval.num_prompts": 4096,  # more than there are: every ten-term test prompt (188)
+    "eval.sampled_prompts": 0,  # pass@k on all of them
+    "eval.samples": K,
+}
+QUICK = {"eval.min_difficulty": 1.0, "eval.num_prompts": 4096, "eval.sampled_prompts": 0}
+
+
+def verdict(differences: list[float]) -> str:
+    """The pre-registered reading of the primary comparison's per-seed differences."""
+    mean, half = repro_lib.interval(differences)
+    if math.isnan(half):  # fewer than 2 seeds
+        return "no verdict (fewer than 2 seeds)"
+    if mean - half > 0:
+        return "confirmed"
+    if mean + half < 0:
+        return "contradicted"
+    return "not confirmed (the interval includes 0)"
+
+
+def summarize(runs, arm_list) -> tuple[list[str], dict]:
+    sections, data = repro_curriculum.summarize(runs, arm_list)
+    key = next(
+        c for c in data[arm_list[0].name] if re.fullmatch(r"hardest pass@([02-9]|\d\d+) end", c)
+    )
+    arm, base = PRIMARY
+    if arm in data and base in data:
+        diffs = [a - b for a, b in zip(data[arm][key], data[base][key], strict=True)]
+        line = (
+            f"**Primary** ({key.removesuffix(' end')} at the end, {arm} minus {base}, paired by "
+            f"seed): {repro_lib.paired_difference(data[arm][key], data[base][key])}: "
+            f"**{verdict(diffs)}**."
+        )
+        data["primary"] = {"column": key, "differences": diffs, "verdict": verdict(diffs)}
+        sections = [line, *sections]
+    sections.append(
+        "Every evaluated prompt has ten terms (`eval.min_difficulty` = 1), so `eval/pass@1` and "
+        f"`eval/pass@{K}` are the hardest level's."
+    )
+    return sections, data
+
+
+def main(argv=None) -> dict:
+    args, arm_list = repro_lib.parse_arms(
+        __doc__, argv, out="runs/repro/curriculum_confirm", preset="default", seeds=SEEDS,
+        arms=lambda preset: repro_curriculum.arms(
+            preset, steps=None if preset == "quick" else CONFIRM["train.steps"]
+        ),
+        default=ARMS,
+    )  # fmt: skip
+    common = CONFIRM if args.preset != "quick" else {**repro_curriculum.DEPTH["quick"], **QUICK}
+    return repro_lib.experiment(
+        args, argv, arm_list, script="repro_curriculum_confirm.py",
+        title="Curriculum, confirmatory (pre-registered)", summarize=summarize,
+        plots=repro_curriculum.plots, common=common | ({"train.steps": 2} if args.preset ==
+        "quick" else {}), name=repro_curriculum.NAME,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
