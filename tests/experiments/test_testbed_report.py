@@ -181,17 +181,3 @@ def test_min_difficulty_keeps_the_held_out_prompts_of_that_level_and_above():
     got = trainer.held_out_examples(at(0.0), unlevelled, one_token)
     assert [e.prompt for e in got] == tests
     assert trainer.held_out_examples(at(0.01), unlevelled, one_token) == []
-
-
-def test_the_confirmatory_curriculum_evaluates_every_ten_term_test_prompt():
-    """repro_curriculum_confirm's pre-registered test set: the 188 ten-term prompts of the test
-    half, all sampled; and its verdict rule at the interval's edges."""
-    confirm = _load("repro_curriculum_confirm")
-    cfg = lib.config("default", confirm.CONFIRM, name="default")
-    test = lib.eval_examples(cfg)
-    assert len(test) == 188 and {len(e.meta["terms"]) for e in test} == {10}
-    assert cfg.eval.sampled_prompts == 0 and cfg.eval.samples == 16
-    assert confirm.verdict([0.05, 0.06, 0.04]) == "confirmed"
-    assert confirm.verdict([-0.05, -0.06, -0.04]) == "contradicted"
-    assert confirm.verdict([0.05, -0.04, 0.02]).startswith("not confirmed")
-    assert confirm.verdict([0.05]).startswith("no verdict")
