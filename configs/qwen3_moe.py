@@ -41,7 +41,8 @@ _spec.loader.exec_module(default)
 PRESETS = {
     # Qwen3-30B-A3B at NeMo-RL's shape: 4k tokens, 64 prompts x 32 = 2,048 rows, 512 an update
     # (layout: the rollout's weights, rollout.param_layout: experts over `expert`, the rest
-    # replicated; 235B keeps the training layout, whose experts also split over fsdp)
+    # replicated; 235B's experts over `expert` alone would not fit, so they split over every
+    # axis there: "experts_all")
     "30b_a3b": dict(model="qwen3_30b_a3b", prompt=1024, new=3072, prompts=64, group=32,
                     mini=512, budget=8192, mesh=dict(data=1, fsdp=1, expert=8), layout="experts"),
     # the same at reasoning length: 2k + 30k tokens (the "long" settings)
@@ -51,7 +52,7 @@ PRESETS = {
     # Qwen3-235B-A22B at NeMo-RL's shape: 8k tokens, 32 prompts x 16 = 512 rows a step
     "235b_a22b": dict(model="qwen3_235b_a22b", prompt=1024, new=7168, prompts=32, group=16,
                       mini=512, budget=8192, mesh=dict(data=1, fsdp=8, expert=8),
-                      layout="training"),
+                      layout="experts_all"),
 }  # fmt: skip
 
 
@@ -77,7 +78,7 @@ def preset(c: ml_collections.ConfigDict, name: str) -> None:
     c.model.remat = "full"  # each layer's input kept, the rest recomputed
     c.model.moe_chunk = 4096  # the MoE's (token, expert) buffers 4k tokens at a time
     c.rollout.max_chunk_size = 256  # rows decoded together
-    c.rollout.param_layout = p["layout"]  # the sampler's weights: experts | training
+    c.rollout.param_layout = p["layout"]  # the sampler's weights: experts | experts_all
     c.mesh.update(p["mesh"])
 
 

@@ -328,19 +328,23 @@ def flatten_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
 _ABSENT = object()
 
 
-def check_model_config(saved: dict, current: dict) -> None:
+def check_model_config(saved: dict, current: dict, defaults: dict | None = None) -> None:
     """Raises CheckpointMismatchError naming every model-config field that differs.
 
     `saved` comes back from the checkpoint's JSON and `current` from the run's config; both are
     compared in their JSON form (tuples == lists, other objects by `str`), nested dicts field by
-    field (`moe.top_k`).
+    field (`moe.top_k`). A field the checkpoint lacks (added to the config since it was
+    written) matches when the run's value is its value in `defaults`.
     """
     as_json = lambda c: json.loads(json.dumps(c, default=str))  # dtypes etc. by their str
     saved_flat, current_flat = flatten_config(as_json(saved)), flatten_config(as_json(current))
+    default_flat = flatten_config(as_json(defaults or {}))
     show = lambda v: "<absent>" if v is _ABSENT else json.dumps(v)
     lines = []
     for name in sorted(saved_flat.keys() | current_flat.keys()):
         a, b = saved_flat.get(name, _ABSENT), current_flat.get(name, _ABSENT)
+        if a is _ABSENT and b is not _ABSENT and default_flat.get(name, _ABSENT) == b:
+            continue  # a field newer than the checkpoint, at its default
         if a is _ABSENT or b is _ABSENT or a != b:
             lines.append(f"{name}: checkpoint {show(a)}, config {show(b)}")
     if lines:

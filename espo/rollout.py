@@ -50,7 +50,7 @@ from espo.model import handle
 from espo.rewards import pool as pool_lib
 
 SCHEDULES = ("length_aware", "fifo")
-PARAM_LAYOUTS = ("training", "experts")
+PARAM_LAYOUTS = ("training", "experts", "experts_all")
 
 
 _is_int = errors.is_int
@@ -67,8 +67,10 @@ class RolloutConfig:
     dtype: str = ""  # sampler activation / matmul dtype; "" = the model's
     # The sampler's weights on the mesh: "training" = the update's layout (with fsdp > 1 every
     # decode step all-gathers every layer's weights); "experts" = experts over the expert axis,
-    # everything else replicated (`sharding.ROLLOUT_RULES`), resharded once a step, as verl
-    # reshards FSDP weights for its rollout engine.
+    # everything else replicated; "experts_all" = experts over every mesh axis (expert
+    # parallelism over all the devices: for experts too large for the expert axis alone), the
+    # rest replicated (`sharding.rollout_rules`); resharded once a step, as verl reshards FSDP
+    # weights for its rollout engine.
     param_layout: str = "training"
     max_chunk_size: int = 64
     schedule: str = "length_aware"

@@ -41,9 +41,17 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
 )
 
-# The rollout's layout (`rollout.param_layout="experts"`): experts over "expert", every other
-# dimension replicated, so a decode step gathers no weight (unruled names are replicated).
-ROLLOUT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (("expert", "expert"),)
+# The rollout's layouts (`rollout.param_layout`): the mesh axes its experts are split over,
+# every other dimension replicated, so a decode step gathers no weight (unruled names are
+# replicated). "experts": over "expert", as trained; "experts_all": over every axis, expert
+# parallelism over all the devices (a model whose experts over "expert" alone do not fit).
+EXPERT_AXES = {"experts": ("expert",), "experts_all": BATCH_AXES}
+
+
+def rollout_rules(layout: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The parameter rules of the rollout's `layout` (a key of EXPERT_AXES)."""
+    return (("expert", EXPERT_AXES[layout]),)
+
 
 # Logical axes of each parameter by its name (the last key of its path); MoE expert weights
 # (under a "moe" key) have a leading expert axis; stacked layer runs ("blocks_<r>") a leading

@@ -96,7 +96,7 @@ def params_of_run(workdir: str, model_cfg) -> dict:
             valid = f"a workdir with a checkpoint (none in {directory})"
             raise config_lib.ConfigError("--config.model", "init_from", workdir, valid)
         params, host = ckpt.restore_params()
-    checkpoint.check_model_config(host["model_config"], _model_dict(model_cfg))
+    _check_model_config(host["model_config"], model_cfg)
     return params
 
 
@@ -170,13 +170,25 @@ def _reward_model(s: config_lib.Settings, tok):
     return rm
 
 
+def sampler_model_config(s: config_lib.Settings, model_cfg):
+    """The rollout engine's model: activations in rollout.dtype, its experts split over the
+    mesh axes of rollout.param_layout (`sharding.EXPERT_AXES`; the training ones otherwise)."""
+    layout = s.rollout.param_layout
+    return dataclasses.replace(
+        model_cfg,
+        dtype=s.rollout.dtype or model_cfg.dtype,
+        expert_axes=sharding.EXPERT_AXES.get(layout, model_cfg.expert_axes),
+    )
+
+
 def _rollout_params(s: config_lib.Settings, mesh, abstract_params, *, dtype: str):
     """params -> the sampler's weights, once a step: FP8 with `rollout.fp8`, in the rollout's
-    own layout with `rollout.param_layout="experts"` (`sharding.ROLLOUT_RULES`); the identity
-    when neither applies."""
+    own layout with a `rollout.param_layout` other than "training"
+    (`sharding.rollout_rules`); the identity when neither applies."""
     layout = None
-    if s.rollout.param_layout == "experts":
-        layout = sharding.param_shardings(mesh, abstract_params, sharding.ROLLOUT_RULES)
+    if s.rollout.param_layout != "training":
+        rules = sharding.rollout_rules(s.rollout.param_layout)
+        layout = sharding.param_shardings(mesh, abstract_params, rules)
     if layout is None and not s.rollout.fp8:
         return lambda p: p
 
@@ -265,6 +277,17 @@ def _check_routes(step: int, metrics: dict) -> None:
 
 def _model_dict(model_cfg) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(model_cfg), default=str))
+
+
+def _check_model_config(saved: dict, model_cfg) -> None:
+    """`checkpoint.check_model_config` of a checkpoint's model config against this run's; a
+    field added to ModelConfig since the checkpoint was written matches at its default."""
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(model_cfg)
+        if f.default is not dataclasses.MISSING
+    }
+    checkpoint.check_model_config(saved, _model_dict(model_cfg), defaults)
 
 
 def step_config(s: config_lib.Settings, model_cfg, *, micro_batch_size: int, one_update=False):
@@ -374,9 +397,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     # The rollout engine's model: activations in rollout.dtype (e.g. bfloat16 while training in
     # float32), weights in FP8 with rollout.fp8; the train-inference mismatch this makes is
     # measured by `prepare` (mismatch/*) and corrected by router replay and loss.rollout_is.
-    sampler_handle = model_lib.Model(
-        dataclasses.replace(model_cfg, dtype=s.rollout.dtype or model_cfg.dtype)
-    )
+    sampler_handle = model_lib.Model(sampler_model_config(s, model_cfg))
 
     # ---- resume, or warm start ------------------------------------------------------------------
     # Resume order: 1. the newest checkpoint step; 2. its model config must match; 3. arrays
@@ -423,7 +444,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
             state_sharding,
         )
         state, saved = ckpt.restore(latest, abstract_state=target)
-        checkpoint.check_model_config(saved["model_config"], _model_dict(model_cfg))
+        _check_model_config(saved["model_config"], model_cfg)
         host.load(saved)
         start_step = latest
         logging.info("resumed from %s step %d", ckpt, latest)

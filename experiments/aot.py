@@ -153,6 +153,7 @@ def run_point(point: dict, timeout: float, extra_env: dict | None = None) -> dic
 
 
 EXTRAPOLATE_FROM = (2, 4)  # layers compiled when a model is deeper (`mesh_result`)
+MEMORY = ("temporaries", "outputs", "total")  # bytes a device; checked for growth with depth
 
 
 def extrapolate(a, b, la: int, lb: int, layers: int):
@@ -186,6 +187,11 @@ def mesh_result(point: dict, layers: int, timeout: float, env: dict, *, full: bo
             if row:
                 row["compile_s"] = rows[0]["compile_s"] + rows[1]["compile_s"]
                 row["extrapolated_from"] = [la, lb]
+                row["at_depths"] = {
+                    str(n): {k: r[k] for k in MEMORY} for n, r in zip((la, lb), rows, strict=True)
+                }
+                # Buffer assignment that shrinks with depth: no line to extend (`fits`).
+                row["shrinks"] = [k for k in MEMORY if rows[1][k] < rows[0][k] - 2**20]
                 got["shapes"] = a["shapes"]  # the shapes do not depend on depth
         if row is None:
             return dict(error=f"{prog}: {got.get('error', 'no result')}")
@@ -256,9 +262,11 @@ def _gib(x) -> str:
 
 def fits(res: dict, hbm: float) -> dict[str, bool]:
     """Per program of one mesh's result: does it fit `hbm` bytes a device (and was it not
-    refused by the chip's compiler)? Empty when the mesh failed to compile."""
+    refused by the chip's compiler, nor extrapolated from memory that shrinks with depth)?
+    Empty when the mesh failed to compile."""
     programs = {} if res.get("error") else res["programs"]
-    return {k: r["total"] <= hbm and not r.get("refused") for k, r in programs.items()}
+    ok = lambda r: r["total"] <= hbm and not r.get("refused") and not r.get("shrinks")
+    return {k: ok(r) for k, r in programs.items()}
 
 
 def flops_per_token(res: dict, prog: str) -> float:
@@ -293,6 +301,8 @@ def print_rows(res: dict, mesh: dict, hbm: float) -> bool:
         verdict = ("fits" if ok else "does not fit") + f" ({(hbm - r['total']) / GiB:+.3g})"
         if r.get("refused"):
             verdict += " refused"
+        if r.get("shrinks"):  # e.g. the compiler's choices differ at 2 and 4 layers
+            verdict = f"unknown: {', '.join(r['shrinks'])} shrink(s) with depth, use --full"
         print(
             f"| {name} | {prog} | {_gib(r['params'])} | {_gib(r['opt_state'])} | "
             f"{_gib(r['inputs'])} | {_gib(r['temporaries'])} | {_gib(r['outputs'])} | "

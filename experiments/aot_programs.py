@@ -185,7 +185,7 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     # The rollout: the trainer's once-a-step conversion (FP8 with rollout.fp8, the rollout's
     # layout with rollout.param_layout), the decode layout, placed as XLA places them; then one
     # chunk of `sampler._sample_chunk`.
-    model = handle.Model(dataclasses.replace(model_cfg, dtype=s.rollout.dtype or model_cfg.dtype))
+    model = handle.Model(trainer.sampler_model_config(s, model_cfg))
     for_rollout = trainer._rollout_params(s, mesh, params, dtype=model.cfg.dtype)
 
     def to_decode(p):

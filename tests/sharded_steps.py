@@ -2,7 +2,8 @@
 devices (XLA_FLAGS must be set before jax is imported, so not in the pytest process).
 
 For each mesh (data, fsdp, expert) in MESHES: the forward (free routing and REPLAY_IDS), the
-sampler (rows decoded per data shard), the old log-probs of `prepare`, and one SGD train step
+sampler (rows decoded per data shard; in the training layout and in the rollout's own,
+`sharding.ROLLOUT_RULES`), the old log-probs of `prepare`, and one SGD train step
 (loss, gradient norm, new params), with the parameters placed by `sharding.param_shardings`
 and the batch along (data, fsdp), equal the single-device results within 1e-5 (float32); each
 device holds E / expert experts and D / fsdp of the model dimension, and with an expert axis
@@ -14,7 +15,9 @@ mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import sys
 import warnings
 
@@ -76,13 +79,26 @@ def run(params, batch, mesh=None):
     # The sampler: 4 prompts x 2 samples, each data shard decoding its rows (threefry random
     # bits do not depend on the sharding, so the tokens are the same).
     prompts, prompt_mask = batch.tokens[:4, :TP], batch.attention_mask[:4, :TP]
-    sampled = sampler.sample_chunk(
-        model_lib.Model(CFG), params, prompts, prompt_mask, jax.random.key(7), jnp.int32(TG),
+    sample = lambda p, cfg=CFG: sampler.sample_chunk(
+        model_lib.Model(cfg), p, prompts, prompt_mask, jax.random.key(7), jnp.int32(TG),
         num_samples=2, gen_len=TG,
         sampling=sampler.SamplingParams(max_new_tokens=TG, stop_ids=(CFG.vocab_size,), pad_id=0),
     )  # fmt: skip
+    sampled = sample(params)
+    # The rollout's own layouts (rollout.param_layout): experts over "expert" ("experts") or
+    # over every axis ("experts_all", the model's expert_axes with them), the rest
+    # replicated; each decodes the same rows.
+    in_layout = {}
+    for layout, axes in sharding.EXPERT_AXES.items():
+        laid = params
+        if mesh is not None:
+            rules = sharding.rollout_rules(layout)
+            laid = jax.device_put(params, sharding.param_shardings(mesh, params, rules))
+        got = sample(laid, dataclasses.replace(CFG, expert_axes=axes))
+        in_layout[layout] = (got.tokens, got.logps, got.router.expert_ids)
     out = dict(
         sampled=(sampled.tokens, sampled.logps, sampled.entropies, sampled.router.expert_ids),
+        sampled_rollout_layouts=in_layout,
         free=(free.logits, free.router.expert_ids, free.router.expert_weights, free.aux.total),
         replay=(replay.logits, replay.router.expert_weights),
         old_logps=prepared.old_logps,
@@ -94,16 +110,17 @@ def run(params, batch, mesh=None):
     return out, params
 
 
-def check_expert_parallel_paths(mesh) -> None:
-    """`moe.expert_parallel_dispatch` on `mesh`, each path (all_to_all within its send capacity,
-    a generous one and the default ~1.25x the mean, where a row's slot must be its rank within
-    its destination's block; all_to_all past it so the all-gather path runs instead; tokens
-    that do not split and are replicated): output and gradient equal the plain loop on one
-    device, and the path reported is the one taken. Also: a send capacity that fits the fullest
-    destination exactly stays all_to_all (one less falls back); mode "all_gather" with the
-    impl asked for; the buffers sized from the tokens a device holds (`_check_buffer_sizes`);
-    bfloat16 cases that keep bf16 in value and gradient (no float32 buffer sent or scattered
-    back) and equal the float32 loop on the same rounded inputs to bf16's precision."""
+def check_expert_parallel_paths(mesh, axes=("expert",)) -> None:
+    """`moe.expert_parallel_dispatch` on `mesh` with the experts over `axes`, each path
+    (all_to_all within its send capacity, a generous one and the default ~1.25x the mean, where
+    a row's slot must be its rank within its destination's block; all_to_all past it so the
+    all-gather path runs instead; tokens that do not split and are replicated): output and
+    gradient equal the plain loop on one device, and the path reported is the one taken. Also:
+    a send capacity that fits the fullest destination exactly stays all_to_all (one less falls
+    back); mode "all_gather" with the impl asked for; the buffers sized from the tokens a
+    device holds (`_check_buffer_sizes`); bfloat16 cases that keep bf16 in value and gradient
+    (no float32 buffer sent or scattered back) and equal the float32 loop on the same rounded
+    inputs to bf16's precision. Over more axes than "expert", the float32 cases only."""
     from espo.model import moe
 
     E, D, F, K = 8, 6, 12, 2  # D = 6: no other dimension (8 tokens a shard, 12, 36, 64)
@@ -118,26 +135,39 @@ def check_expert_parallel_paths(mesh) -> None:
         (64, a2a, "full", [1, 0], f32, auto), (64, a2a, "full - 1", [0, 1], f32, auto),
         (64, a2a, None, [1, 0], bf16, auto), (64, a2a, 1, [0, 1], bf16, auto),
     ]  # fmt: skip
+    if axes != ("expert",):  # 8 tokens a device over 8 shards: the default capacity may
+        cases = [c for c in cases if c[4] == f32]  # overflow; the path is then all_gather
+        cases[1] = (64, a2a, None, "by capacity", f32, auto)
     for M, mode, cap, path, dtype, impl in cases:
         x = jax.random.normal(k[3], (M, D)).astype(dtype)
         ids = jax.random.randint(k[4], (M, K), -1, E)  # -1: unrecorded, contributes nothing
         gate = jax.nn.softmax(jax.random.normal(k[5], (M, K))).astype(dtype)
         if isinstance(cap, str):  # the most any shard sends one destination: fits exactly
-            cap = _most_sent(ids, mesh, E=E) - (cap == "full - 1")
+            cap = _most_sent(ids, mesh, E=E, axes=axes) - (cap == "full - 1")
+        if path == "by capacity":  # all_to_all where the default send capacity holds
+            n = math.prod(mesh.shape[a] for a in axes)
+            default = moe.capacity_for(M // sharding.batch_shards(mesh) * K, n)
+            path = [1, 0] if _most_sent(ids, mesh, E=E, axes=axes) <= default else [0, 1]
         wd = [a.astype(dtype) for a in w]
         ref = functools.partial(_with_no_path, functools.partial(moe.moe_reference, ids=ids))
         ep = functools.partial(
-            moe.expert_parallel_dispatch, ids=ids, mode=mode, send_capacity=cap, impl=impl
+            moe.expert_parallel_dispatch,
+            ids=ids,
+            mode=mode,
+            send_capacity=cap,
+            impl=impl,
+            axes=axes,
         )
         (want, _), dwant = _value_and_grad(
             ref, *jax.tree.map(lambda a: a.astype(f32), (x, gate, wd))
         )
         with jax.set_mesh(mesh):
-            placed = jax.device_put(wd, jax.sharding.NamedSharding(mesh, P("expert")))
+            placed = jax.device_put(wd, jax.sharding.NamedSharding(mesh, P(axes)))
             with warnings.catch_warnings():  # a float32 update scattered into bf16 (an error
                 warnings.simplefilter("error", FutureWarning)  # in later JAX) fails here
                 (y, taken), dgot = jax.jit(functools.partial(_value_and_grad, ep))(x, gate, placed)
         what = f"expert-parallel {mode} M={M} send capacity {cap} {jnp.dtype(dtype).name} {impl}"
+        what += f" over {axes}"
         got, expected = jax.tree.leaves((y, dgot)), jax.tree.leaves((want, dwant))
         for a, b in zip(got, expected, strict=True):  # the output, then d x, d gate, d w_*
             assert a.dtype == dtype, (what, a.dtype)
@@ -154,7 +184,7 @@ def check_expert_parallel_paths(mesh) -> None:
             if impl == "ragged":  # the impl asked for runs on every device
                 assert any(e.primitive.name.startswith("ragged_dot") for e in eqns), what
             else:
-                _check_buffer_sizes(eqns, mesh, M=M, E=E, K=K, F=F)
+                _check_buffer_sizes(eqns, mesh, M=M, E=E, K=K, F=F, axes=axes)
 
 
 def check_attention_kernels(mesh) -> None:
@@ -198,22 +228,22 @@ def check_attention_kernels(mesh) -> None:
             )
 
 
-def _most_sent(ids, mesh, *, E) -> int:
+def _most_sent(ids, mesh, *, E, axes) -> int:
     """The most (token, expert) assignments one batch shard of `ids` sends one expert shard."""
-    n = mesh.shape["expert"]
+    n = math.prod(mesh.shape[a] for a in axes)
     blocks = np.asarray(ids).reshape(sharding.batch_shards(mesh), -1)  # [i m, (i + 1) m)
     dest = np.where(blocks >= 0, blocks // (E // n), n)  # n: unrecorded, sent nowhere
     return max(np.bincount(row, minlength=n + 1)[:n].max() for row in dest)
 
 
-def _check_buffer_sizes(eqns, mesh, *, M, E, K, F) -> None:
+def _check_buffer_sizes(eqns, mesh, *, M, E, K, F, axes) -> None:
     """Buffers sized from the tokens a device holds (m = M / shards when they split, all M when
     replicated): each `all_to_all` sends `capacity_for(m K, n)` rows per destination, and the
     local experts' batched matmul is [E / n, capacity_for(m K, E / n), F]. (Any capacity gives
     the same values; a buffer sized from all M tokens would send 8x the rows.)"""
     from espo.model import moe
 
-    n, shards = mesh.shape["expert"], sharding.batch_shards(mesh)
+    n, shards = math.prod(mesh.shape[a] for a in axes), sharding.batch_shards(mesh)
     split = M % shards == 0
     m = M // shards if split else M
     sent = {v.aval.shape[0] for e in eqns if e.primitive.name == "all_to_all" for v in e.invars}
@@ -259,11 +289,18 @@ def main(meshes=MESHES) -> int:
         local = up.addressable_shards[0].data.shape
         assert local[1:3] == (CFG.num_experts // expert, CFG.d_model // fsdp), (local, mesh)
         assert len({s.device for s in up.addressable_shards}) == 8
+        for layout, n in (("experts", expert), ("experts_all", 8)):
+            rules = sharding.rollout_rules(layout)
+            rollout_up = jax.device_put(placed, sharding.param_shardings(mesh, placed, rules))
+            got_local = rollout_up["blocks_1"]["moe"]["up_proj"].addressable_shards[0].data.shape
+            assert got_local[1:3] == (CFG.num_experts // n, CFG.d_model), (got_local, mesh)
         for key, want in single.items():
             chex.assert_trees_all_close(jax.device_get(got[key]), want, **TOL, custom_message=key)
         np.testing.assert_array_equal(got["free"][1], single["free"][1])  # expert ids
         if expert > 1:
             check_expert_parallel_paths(mesh)
+        if fsdp > 1 and expert > 1:  # the rollout's "experts_all": over every axis
+            check_expert_parallel_paths(mesh, sharding.BATCH_AXES)
         check_attention_kernels(mesh)
         print(f"mesh {(data, fsdp, expert)}: equal to one device")
     return 0

@@ -164,6 +164,15 @@ def test_model_config_mismatch_names_every_field():
     assert "4 fields differ" in err.value.valid and "another workdir" in lines[-1]
     assert "top_k" not in str(err.value) and "dims" not in str(err.value)  # equal, tuple == list
     checkpoint.check_model_config(saved, dict(saved))  # equal configs pass
+    # A field newer than the checkpoint matches at its default, and only there.
+    newer = {**saved, "axes": ("expert",)}
+    checkpoint.check_model_config(saved, newer, {"axes": ["expert"], "x": "b"})
+    with pytest.raises(checkpoint.CheckpointMismatchError) as err:
+        checkpoint.check_model_config(saved, {**saved, "axes": ("fsdp",)}, {"axes": ("expert",)})
+    assert err.value.field == "axes"
+    with pytest.raises(checkpoint.CheckpointMismatchError) as err:  # not a missing current one
+        checkpoint.check_model_config({**saved, "axes": ["expert"]}, saved, {"axes": ("expert",)})
+    assert err.value.field == "axes"
 
 
 # -- SIGKILL during save --------------------------------------------------------------------------

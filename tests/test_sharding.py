@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from espo import config as config_lib
 from espo import model as model_lib
-from espo import sharding, testing, train_step
+from espo import rollout as rollout_lib
+from espo import sharding, testing, train_step, trainer
 from espo.testing import raises_invalid
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -75,18 +76,34 @@ def test_rules_shard_experts_and_the_model_dimension():
     assert specs["blocks_1"]["moe"]["up_proj"] == P(None, None, None, None)
 
 
-def test_the_rollout_rules_shard_only_the_experts():
+@pytest.mark.parametrize(
+    ("layout", "axes"), [("experts", ("expert",)), ("experts_all", ("data", "fsdp", "expert"))]
+)
+def test_the_rollout_rules_shard_only_the_experts(layout, axes):
+    """Each rollout layout splits the experts over its axes (all 8 devices for experts_all)
+    and holds everything else whole; the sampler's model splits its experts over the same."""
     specs = jax.tree.map(
         lambda s: s.spec,
         sharding.param_shardings(
-            _mesh(fsdp=2, expert=4), model_lib.Model(CFG).param_shapes(), sharding.ROLLOUT_RULES
+            _mesh(data=2, fsdp=2, expert=2),
+            model_lib.Model(CFG).param_shapes(),
+            sharding.rollout_rules(layout),
         ),
     )
     moe = specs["blocks_1"]["moe"]
-    assert moe.pop("down_proj") == moe.pop("up_proj") == P(None, "expert", None, None)
-    assert moe.pop("gate_proj") == P(None, "expert", None, None)
+    assert moe.pop("down_proj") == moe.pop("up_proj") == P(None, axes, None, None)
+    assert moe.pop("gate_proj") == P(None, axes, None, None)
     rest = {p for p in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))}  # popped
     assert all(set(p) <= {None} for p in rest), rest  # everything else whole on every device
+    cfg = testing.load_script(HERE.parent / "configs" / "default.py").get_config("tiny")
+    cfg.rollout.param_layout, cfg.rollout.dtype = layout, "bfloat16"
+    s = config_lib.Settings.from_config(cfg)
+    model = trainer.sampler_model_config(s, s.model)
+    assert model.expert_axes == axes and model.dtype == "bfloat16"
+    cfg.rollout.param_layout = "training"
+    s = config_lib.Settings.from_config(cfg)
+    assert trainer.sampler_model_config(s, s.model).expert_axes == ("expert",)
+    assert set(sharding.EXPERT_AXES) == set(rollout_lib.PARAM_LAYOUTS) - {"training"}
 
 
 def test_a_mesh_that_does_not_divide_the_experts_or_the_model_names_them():

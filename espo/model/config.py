@@ -110,6 +110,10 @@ class ModelConfig:
     # per-(token, expert) buffers exist one chunk at a time, each recomputed in the backward;
     # 0: the whole rows at once
     moe_chunk: int = 0
+    # the mesh axes the experts are split over in the MoE blocks' expert parallelism
+    # (`moe.expert_parallel_dispatch`): ("expert",) as trained; the rollout's "experts_all"
+    # layout (`sharding.EXPERT_AXES`) splits them over every axis of the mesh
+    expert_axes: tuple[str, ...] = ("expert",)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
@@ -187,6 +191,16 @@ class ModelConfig:
             isinstance(self.moe_chunk, int) and self.moe_chunk >= 0,
             "moe_chunk",
             ">= 0 (0: whole rows)",
+        )
+        axes = self.expert_axes
+        object.__setattr__(self, "expert_axes", (axes,) if isinstance(axes, str) else tuple(axes))
+        errors.require(
+            self,
+            len(self.expert_axes) >= 1
+            and len(set(self.expert_axes)) == len(self.expert_axes)
+            and all(isinstance(a, str) for a in self.expert_axes),
+            "expert_axes",
+            'distinct mesh axis names, e.g. ("expert",)',
         )
         errors.require(self, self.aux_loss_coef >= 0, "aux_loss_coef", ">= 0")
         errors.require(self, self.z_loss_coef >= 0, "z_loss_coef", ">= 0")

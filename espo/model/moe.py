@@ -34,15 +34,16 @@ sorted by expert and handed to `expert_ffn`, a grouped matmul over contiguous ex
     multiplied by its expert's weights, gathered per block: at small groups (decode, many
     experts) the gathers copy more than all expert weights per matmul. Kept for comparison.
 `expert_ffn` sees only sorted rows, group sizes and the local expert weights, so
-`expert_parallel_dispatch` wraps `dispatch` in a `shard_map` over the mesh's "expert" axis
-(each device its E / n experts, a `psum` adding the partial outputs; no all-to-all) without
-touching the routing code.
+`expert_parallel_dispatch` wraps `dispatch` in a `shard_map` over the mesh's expert axes
+(`ModelConfig.expert_axes`; each device its E / n experts, the tokens exchanged by all-to-all)
+without touching the routing code.
 `moe_reference` is the plain per-expert loop that the tests hold both against.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
 import flax.struct
@@ -512,16 +513,19 @@ def expert_parallel_dispatch(
     impl: str = "auto",
     mode: str = "all_to_all",
     send_capacity: int | None = None,
+    axes: tuple[str, ...] = ("expert",),
 ) -> tuple[Float[Array, "M D"], Int[Array, " 2"]]:
-    """`dispatch`, with the experts split over the "expert" axis of the context mesh
-    (`jax.set_mesh`) when it has one of size > 1; plain `dispatch` otherwise. Returns the output
-    and which path ran: counts [all_to_all, all_gather] (zeros without an expert axis).
+    """`dispatch`, with the experts split over the context mesh's `axes` (`jax.set_mesh`;
+    `ModelConfig.expert_axes`: "expert" as trained, every axis in the rollout's "experts_all"
+    layout) when their sizes multiply to n > 1; plain `dispatch` otherwise. Returns the output
+    and which path ran: counts [all_to_all, all_gather] (zeros without expert parallelism).
 
     Inside a `jax.shard_map` each device holds E / n experts and M / (data x fsdp x expert) of
-    the tokens (batches are sharded along every mesh axis, `sharding.BATCH_AXES`):
+    the tokens (batches are sharded along every mesh axis, `sharding.BATCH_AXES`); "over the
+    axes" below means over the devices that share the other axes' indices:
       * "all_to_all" (the default `mode`, when the tokens split evenly): each device sorts its
         (token, expert) assignments by the expert shard that owns them into a send buffer of
-        `send_capacity` rows per destination, one `all_to_all` over "expert" delivers them, the
+        `send_capacity` rows per destination, one `all_to_all` over the axes delivers them, the
         owner runs `dispatch` on its local experts, a second `all_to_all` returns the outputs
         and the sender combines them with its routing weights. (`ragged_all_to_all` would avoid
         the padding, but XLA:CPU does not implement it.) When any sender has more assignments
@@ -529,7 +533,7 @@ def expert_parallel_dispatch(
         takes the all-gather path instead, so the result stays exact whatever the routing.
       * "all_gather": every device gathers the tokens of its expert group, runs its own
         experts on them (assignments to other shards become -1, which contribute nothing) and
-        a `psum_scatter` over "expert" sums the partial outputs and hands each device its rows.
+        a `psum_scatter` over the axes sums the partial outputs and hands each device its rows.
     Tokens that do not split evenly are replicated over the mesh and reduced by a `psum`
     (counted as all_gather). Replayed ids pass through unchanged; both paths are exact and
     differentiable, and `moe_reference` is what the tests hold them against.
@@ -537,13 +541,16 @@ def expert_parallel_dispatch(
     if mode not in EP_PATHS:
         raise ValueError(f"expert-parallel mode {mode!r}: expected one of {EP_PATHS}")
     mesh = jax.sharding.get_abstract_mesh()
-    n = 0 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
+    axes = tuple(axes)
+    if not mesh.empty and set(axes) - set(mesh.axis_names):
+        raise ValueError(f"expert axes {axes}: not all axes of the mesh {mesh.axis_names}")
+    n = 0 if mesh.empty else math.prod(mesh.shape[a] for a in axes)
     if n <= 1:
         y = dispatch(x, ids, weights, w_gate, w_up, w_down, impl=impl)
         return y, jnp.zeros((len(EP_PATHS),), jnp.int32)
     E, (M, K) = w_gate.shape[0], ids.shape
     if E % n:
-        raise ValueError(f"{E} experts do not split over the mesh's expert axis of size {n}")
+        raise ValueError(f"{E} experts do not split over the mesh's axes {axes} of size {n}")
     shards = sharding.batch_shards(mesh)  # data x fsdp x expert
     sharded = M % shards == 0
     m = M // shards if sharded else M  # tokens per device (all of them when replicated)
@@ -553,7 +560,7 @@ def expert_parallel_dispatch(
         send_capacity = capacity_for(m * K, n)  # rows per destination: ~1.25x the mean
     a2a = sharded and mode == "all_to_all"
     tokens = jax.sharding.PartitionSpec(sharding.BATCH_AXES if sharded else None)
-    experts = jax.sharding.PartitionSpec("expert")
+    experts = jax.sharding.PartitionSpec(axes)
     ffn = functools.partial(dispatch, impl=impl, capacity=capacity)
 
     def local(x, ids, weights, w_gate, w_up, w_down):
@@ -563,10 +570,10 @@ def expert_parallel_dispatch(
         vary = lambda t, axes: jax.lax.pcast(t, axes, to="varying") if axes else t
         w = (w_gate, w_up, w_down)
         if not sharded:  # tokens the same everywhere, weights on every batch shard
-            x, ids, weights = vary((x, ids, weights), ("expert",))
-            return jax.lax.psum(_own_experts(ffn, x, ids, weights, w), "expert"), _path(1)
-        w = vary(w, tuple(a for a in sharding.BATCH_AXES if a != "expert"))
-        gathered = lambda: _all_gather_path(ffn, x, ids, weights, w)
+            x, ids, weights = vary((x, ids, weights), axes)
+            return jax.lax.psum(_own_experts(ffn, x, ids, weights, w, axes), axes), _path(1)
+        w = vary(w, tuple(a for a in sharding.BATCH_AXES if a not in axes))
+        gathered = lambda: _all_gather_path(ffn, x, ids, weights, w, axes)
         if not a2a:
             return gathered(), _path(1)
         layout, counts = _send_layout(ids, local_experts, n, send_capacity)
@@ -575,7 +582,10 @@ def expert_parallel_dispatch(
         return jax.lax.cond(
             overflow > 0,
             lambda: (gathered(), _path(1)),
-            lambda: (_all_to_all_path(ffn, x, weights, w, layout, n * send_capacity), _path(0)),
+            lambda: (
+                _all_to_all_path(ffn, x, weights, w, layout, n * send_capacity, axes),
+                _path(0),
+            ),
         )
 
     y, path = jax.shard_map(
@@ -598,6 +608,7 @@ def dispatch_in_chunks(
     *,
     chunk: int,
     impl: str = "auto",
+    axes: tuple[str, ...] = ("expert",),
 ) -> tuple[Float[Array, "B T D"], Int[Array, " 2"]]:
     """`expert_parallel_dispatch` on `chunk` tokens of every row at a time (0, or rows no
     longer than it: all at once). The rows are padded to whole chunks with unrecorded
@@ -610,7 +621,7 @@ def dispatch_in_chunks(
     if not chunk or chunk >= T:
         y, path = expert_parallel_dispatch(
             x.reshape(B * T, D), ids.reshape(B * T, -1), weights.reshape(B * T, -1),
-            w_gate, w_up, w_down, impl=impl,
+            w_gate, w_up, w_down, impl=impl, axes=axes,
         )  # fmt: skip
         return y.reshape(B, T, D), path
     n = -(-T // chunk)
@@ -622,7 +633,7 @@ def dispatch_in_chunks(
     @jax.checkpoint
     def one(xs):
         xc, ic, wc = (a.reshape(B * chunk, a.shape[-1]) for a in xs)
-        y, path = expert_parallel_dispatch(xc, ic, wc, w_gate, w_up, w_down, impl=impl)
+        y, path = expert_parallel_dispatch(xc, ic, wc, w_gate, w_up, w_down, impl=impl, axes=axes)
         return y.reshape(B, chunk, D), path
 
     ys, paths = jax.lax.map(one, (chunks(x, 0), chunks(ids, -1), chunks(weights, 0)))
@@ -634,18 +645,18 @@ def _path(i: int) -> Int[Array, " 2"]:
     return jnp.zeros((len(EP_PATHS),), jnp.int32).at[i].set(1)
 
 
-def _own_experts(ffn, x, ids, weights, w):
+def _own_experts(ffn, x, ids, weights, w, axes):
     """The partial output of this device's E / n experts (others' assignments become -1)."""
     local_experts = w[0].shape[0]
-    first = jax.lax.axis_index("expert") * local_experts
+    first = jax.lax.axis_index(axes) * local_experts
     mine = (ids >= first) & (ids < first + local_experts)
     return ffn(x, jnp.where(mine, ids - first, -1), weights, *w)
 
 
-def _all_gather_path(ffn, x, ids, weights, w):
-    gather = lambda t: jax.lax.all_gather(t, "expert", axis=0, tiled=True)  # [n*m, ...]
-    y = _own_experts(ffn, gather(x), gather(ids), gather(weights), w)
-    return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)  # [m, D]
+def _all_gather_path(ffn, x, ids, weights, w, axes):
+    gather = lambda t: jax.lax.all_gather(t, axes, axis=0, tiled=True)  # [n*m, ...]
+    y = _own_experts(ffn, gather(x), gather(ids), gather(weights), w, axes)
+    return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)  # [m, D]
 
 
 def _send_layout(ids, local_experts, n, send_capacity):
@@ -664,14 +675,14 @@ def _send_layout(ids, local_experts, n, send_capacity):
     return (slot, order // K, flat[order] % local_experts, order), counts[:n]
 
 
-def _all_to_all_path(ffn, x, weights, w, layout, rows):
+def _all_to_all_path(ffn, x, weights, w, layout, rows, axes):
     """Send each assignment in `layout` (`_send_layout`) to its expert's shard, run the local
     experts there, bring the outputs back and combine them with the routing weights."""
     slot, token, local_id, order = layout
     send_x = jnp.zeros((rows + 1, x.shape[-1]), x.dtype).at[slot].set(x[token])[:rows]
     send_id = jnp.full((rows + 1,), -1, jnp.int32).at[slot].set(local_id)[:rows]
     # Block j of the buffer goes to expert shard j; block i of what arrives came from shard i.
-    exchange = lambda t: jax.lax.all_to_all(t, "expert", 0, 0, tiled=True)
+    exchange = lambda t: jax.lax.all_to_all(t, axes, 0, 0, tiled=True)
     recv_x, recv_id = exchange(send_x), exchange(send_id)  # [n*C, D], [n*C]
     y = ffn(recv_x, recv_id[:, None], jnp.ones((rows, 1), weights.dtype), *w)  # [n*C, D]
     back = jnp.concatenate([exchange(y), jnp.zeros((1, y.shape[-1]), y.dtype)])  # [n*C + 1, D]
@@ -781,6 +792,7 @@ class MoeBlock(nn.Module):
             quant.compute_weight(w_down, dt),
             chunk=cfg.moe_chunk,
             impl=self.impl,
+            axes=cfg.expert_axes,
         )
         out = out.reshape(B * T, D)  # [M, D]
         if cfg.shared_expert_ffn_dim:

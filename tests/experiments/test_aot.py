@@ -132,6 +132,10 @@ def test_a_config_that_cannot_fit_is_reported_as_such(two_devices):
     refused = dict(res, programs={"update": dict(res["programs"]["update"], refused="HBM")})
     assert aot.fits(refused, hbm=total) == {"update": False}  # the TPU compiler said no
     assert aot.fits({"error": "timeout"}, hbm=total) == {}
+    # Memory that shrank from 2 to 4 layers extrapolates to nothing trustworthy (a v5p
+    # compile's temporaries went to -44 GiB at 48 layers): never "fits".
+    shrank = dict(res, programs={"update": dict(res["programs"]["update"], shrinks=["total"])})
+    assert aot.fits(shrank, hbm=10 * total) == {"update": False}
 
 
 def test_step_projection_counts_every_micro_batch_chunk_and_decode_step():
@@ -175,6 +179,8 @@ def test_deep_models_are_extrapolated_from_two_depths():
     (whole,) = aot.main([*args, "--full"])["results"]
     got, whole = got["programs"]["rollout"], whole["programs"]["rollout"]
     assert got["extrapolated_from"] == [2, 4] and "extrapolated_from" not in whole
+    assert got["shrinks"] == [] and set(got["at_depths"]) == {"2", "4"}
+    assert got["at_depths"]["4"]["total"] > got["at_depths"]["2"]["total"]
     for key in ("params", "inputs", "outputs", "resident", "flops", "decode_flops", "matmul_s"):
         assert got[key] == pytest.approx(whole[key], rel=1e-6), key
     assert got["temporaries"] == pytest.approx(whole["temporaries"], rel=0.1)

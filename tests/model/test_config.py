@@ -22,6 +22,9 @@ from espo.testing import raises_invalid
         (dict(rms_eps=0.0), "rms_eps", "> 0"),
         (dict(moe_chunk=-1), "moe_chunk", ">= 0"),
         (dict(logits_chunk=2.5), "logits_chunk", ">= 0"),
+        (dict(expert_axes=()), "expert_axes", "distinct mesh axis names"),
+        (dict(expert_axes=("expert", "expert")), "expert_axes", "distinct mesh axis names"),
+        (dict(expert_axes=(1,)), "expert_axes", "distinct mesh axis names"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field, hint):
@@ -37,6 +40,12 @@ def test_layer_runs_group_consecutive_kinds():
     assert cfg.layer_runs() == ((False, 0, 2), (True, 2, 1), (False, 3, 1), (True, 4, 1))
     assert cfg.moe_layers == (2, 4)
     assert ModelConfig.tiny(num_layers=4).layer_runs() == ((True, 0, 4),)
+
+
+def test_expert_axes_take_one_name_or_several():
+    assert ModelConfig.tiny(expert_axes="fsdp").expert_axes == ("fsdp",)
+    assert ModelConfig.tiny(expert_axes=["fsdp", "expert"]).expert_axes == ("fsdp", "expert")
+    hash(ModelConfig.tiny(expert_axes=["fsdp", "expert"]))  # a list from JSON: still static
 
 
 def test_config_is_frozen_and_hashable():
