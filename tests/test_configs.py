@@ -46,9 +46,13 @@ def test_every_section_field_is_in_the_default_config():
     config = testing.load_script(ROOT / "configs" / "default.py").get_config()
     for section, cls in config_lib.sections().items():
         names = {f.name for f in dataclasses.fields(cls) if f.init}
-        injected = {"loss": {"vocab_size"}, "advantage": {"rl_zvp", "atol"}}.get(
-            section, {"max_new_tokens"}
-        )  # set from another section: the model's vocabulary, zve.mode and zve.atol, a stage
+        injected = {
+            "loss": {"vocab_size"},
+            "advantage": {"rl_zvp", "atol"},
+            "model": {"expert_axes"},
+        }.get(section, {"max_new_tokens"})
+        # set from another section: the model's vocabulary, zve.mode and zve.atol, a stage's
+        # budget, the sampler's expert axes from rollout.param_layout
         missing = names - set(config[section]) - injected - {"seed"}
         assert not missing, f"{section}: {sorted(missing)}"
 

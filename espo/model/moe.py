@@ -541,10 +541,8 @@ def expert_parallel_dispatch(
     if mode not in EP_PATHS:
         raise ValueError(f"expert-parallel mode {mode!r}: expected one of {EP_PATHS}")
     mesh = jax.sharding.get_abstract_mesh()
-    axes = tuple(axes)
-    if not mesh.empty and set(axes) - set(mesh.axis_names):
-        raise ValueError(f"expert axes {axes}: not all axes of the mesh {mesh.axis_names}")
-    n = 0 if mesh.empty else math.prod(mesh.shape[a] for a in axes)
+    axes = () if mesh.empty else tuple(a for a in axes if a in mesh.axis_names)  # absent: size 1
+    n = math.prod(mesh.shape[a] for a in axes) if axes else 0
     if n <= 1:
         y = dispatch(x, ids, weights, w_gate, w_up, w_down, impl=impl)
         return y, jnp.zeros((len(EP_PATHS),), jnp.int32)

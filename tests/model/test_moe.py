@@ -247,7 +247,7 @@ def test_expert_parallel_dispatch_off_an_expert_axis_is_dispatch_and_checks_its_
     with pytest.raises(ValueError, match=re.escape(want)):
         moe.expert_parallel_dispatch(*args, mode="ring")
     with jax.sharding.use_abstract_mesh(sharding.abstract_mesh((1, 1, 3))):
-        want = "8 experts do not split over the mesh's expert axis of size 3"
+        want = "8 experts do not split over the mesh's axes ('expert',) of size 3"
         with pytest.raises(ValueError, match=re.escape(want)):
             jax.make_jaxpr(moe.expert_parallel_dispatch)(*args)
 
