@@ -44,13 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from espo import errors, sampler, scheduling, types
+from espo import errors, sampler, scheduling, sharding, types
 from espo.model import config as config_lib
 from espo.model import handle
 from espo.rewards import pool as pool_lib
 
 SCHEDULES = ("length_aware", "fifo")
-PARAM_LAYOUTS = ("training", "experts", "experts_all")
+PARAM_LAYOUTS = ("training", *sharding.EXPERT_AXES)  # the update's, or a rollout layout
 
 
 _is_int = errors.is_int

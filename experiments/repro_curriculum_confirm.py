@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import pathlib
-import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -41,16 +40,19 @@ SEEDS = "8,9,10,11,12,13"
 ARMS = "staged,uniform,hard"
 PRIMARY = ("staged", "uniform")  # arm minus base, paired by seed
 K = 16
+HARDEST_ONLY = {  # the evaluation: every prompt of the hardest level, each sampled
+    "eval.min_difficulty": 1.0,  # the ten-term level only (difficulty (terms - 3) / 7)
+    "eval.num_prompts": 4096,  # more than there are: every ten-term test prompt (188)
+    "eval.sampled_prompts": 0,  # pass@k on all of them
+}
 CONFIRM = {
     **repro_curriculum.DEPTH["default"],
     "train.steps": 135,
     "checkpoint.every_steps": 15,
-    "eval.min_difficulty": 1.0,  # the ten-term level only (difficulty (terms - 3) / 7)
-    "eval.num_prompts": 4096,  # more than there are: every ten-term test prompt (188)
-    "eval.sampled_prompts": 0,  # pass@k on all of them
+    **HARDEST_ONLY,
     "eval.samples": K,
 }
-QUICK = {"eval.min_difficulty": 1.0, "eval.num_prompts": 4096, "eval.sampled_prompts": 0}
+QUICK = {**repro_curriculum.DEPTH["quick"], **HARDEST_ONLY, "train.steps": 2}
 
 
 def verdict(differences: list[float]) -> str:
@@ -67,18 +69,18 @@ def verdict(differences: list[float]) -> str:
 
 def summarize(runs, arm_list) -> tuple[list[str], dict]:
     sections, data = repro_curriculum.summarize(runs, arm_list)
-    key = next(
-        c for c in data[arm_list[0].name] if re.fullmatch(r"hardest pass@([02-9]|\d\d+) end", c)
-    )
+    sampled = [c for c in data[arm_list[0].name] if c.startswith("hardest pass@")]
+    key = next(c for c in sampled if c.endswith(" end") and c != "hardest pass@1 end")
     arm, base = PRIMARY
     if arm in data and base in data:
         diffs = [a - b for a, b in zip(data[arm][key], data[base][key], strict=True)]
+        said = verdict(diffs)
         line = (
             f"**Primary** ({key.removesuffix(' end')} at the end, {arm} minus {base}, paired by "
             f"seed): {repro_lib.paired_difference(data[arm][key], data[base][key])}: "
-            f"**{verdict(diffs)}**."
+            f"**{said}**."
         )
-        data["primary"] = {"column": key, "differences": diffs, "verdict": verdict(diffs)}
+        data["primary"] = {"column": key, "differences": diffs, "verdict": said}
         sections = [line, *sections]
     sections.append(
         "Every evaluated prompt has ten terms (`eval.min_difficulty` = 1), so `eval/pass@1` and "
@@ -95,12 +97,11 @@ def main(argv=None) -> dict:
         ),
         default=ARMS,
     )  # fmt: skip
-    common = CONFIRM if args.preset != "quick" else {**repro_curriculum.DEPTH["quick"], **QUICK}
     return repro_lib.experiment(
         args, argv, arm_list, script="repro_curriculum_confirm.py",
         title="Curriculum, confirmatory (pre-registered)", summarize=summarize,
-        plots=repro_curriculum.plots, common=common | ({"train.steps": 2} if args.preset ==
-        "quick" else {}), name=repro_curriculum.NAME,
+        plots=repro_curriculum.plots, common=QUICK if args.preset == "quick" else CONFIRM,
+        name=repro_curriculum.NAME,
     )  # fmt: skip
 
 

@@ -161,12 +161,15 @@ def run_arms(
     warm: pathlib.Path | None = None,
     name: str = CONFIG,
     shared: Mapping[str, object] = (),
+    warm_seed: int | None = None,
 ) -> dict[str, list[list[dict]]]:
     """{arm name: [records of seed k]} after every arm x seed of configs/<name>.py ran from one
-    warm start (in `warm`, default OUT/warm_start; scripts given the same directory share it).
+    warm start (in `warm`, default OUT/warm_start; scripts given the same directory share it),
+    trained with `warm_seed` (default the first RL seed).
     Overrides: `shared` of the warm start and every arm, then `common`, then the arm's."""
     warm = warm or out / "warm_start"
-    base = warm_start(warm, preset, seed=seeds[0], progress=progress, name=name, shared=shared)
+    seed0 = seeds[0] if warm_seed is None else warm_seed
+    base = warm_start(warm, preset, seed=seed0, progress=progress, name=name, shared=shared)
     runs = {}
     for arm in arms:
         runs[arm.name] = []

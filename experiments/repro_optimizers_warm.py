@@ -163,23 +163,11 @@ def run_all(args, arm_list) -> dict[int, dict[str, list[list[dict]]]]:
             runs[w] = repro_lib.read_records(pathlib.Path(args.records) / f"warm{w}", arm_list,
                                              seeds)  # fmt: skip
             continue
-        shared = repro_system.long_completions(args.preset)
-        warm = repro_lib.warm_start(
-            out / f"warm{w}" / "warm_start", args.preset, seed=w, progress=not args.no_progress,
-            name=NAME, shared=shared,
+        runs[w] = repro_lib.run_arms(
+            out / f"warm{w}", args.preset, arm_list, seeds, progress=not args.no_progress,
+            common=common(args.preset), warm=out / f"warm{w}" / "warm_start", name=NAME,
+            shared=repro_system.long_completions(args.preset), warm_seed=w,
         )  # fmt: skip
-        runs[w] = {}
-        for arm in arm_list:
-            runs[w][arm.name] = []
-            for seed in seeds:
-                over = {**shared, **common(args.preset), **dict(arm.overrides), "seed": seed,
-                        "model.init_from": str(warm)}  # fmt: skip
-                print(f"== warm start {w}, {arm.title}, seed {seed}", flush=True)
-                cfg = repro_lib.config(args.preset, over, name=NAME)
-                runs[w][arm.name].append(
-                    repro_lib.run(cfg, out / f"warm{w}" / arm.name / f"seed{seed}",
-                                  progress=not args.no_progress)
-                )  # fmt: skip
         repro_lib.write_records(out / "records" / f"warm{w}", out / f"warm{w}", arm_list, seeds)
     return runs
 
