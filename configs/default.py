@@ -163,6 +163,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # experts: the sampler's weights with experts over the expert axis, the rest replicated
     # (no weight gathered at a decode step; converted once a step)
     c.rollout.param_layout = "training"  # sampler weights on a mesh: training|experts|experts_all
+    c.rollout.offload_state = False  # training state in host memory while the rollout decodes
     c.rollout.schedule = "length_aware"  # length_aware | fifo
     c.rollout.prefill_cost = 1.0  # a re-prefilled position in decode slot-steps (CPU ~1)
     c.rollout.steps_per_check = 1  # decode steps between loop-condition checks (GPU: more)

@@ -13,9 +13,10 @@ gradient of one 32k trace on the 48-layer Qwen3-30B-A3B needs 12.6 GiB of tempor
 without MoE chunks, 11.7 GiB compiled for a TPU v5p chip with them, docs/performance.md) and "tiny"
 (the tests run it on a random tiny checkpoint they build); and the real-size presets
 "30b_a3b" (Qwen3-30B-A3B at NeMo-RL's GRPO shape: 4k tokens, 2,048 rows a step), "30b_a3b_long"
-(the same at 2k + 30k tokens) and "235b_a22b" (Qwen3-235B-A22B at 8k tokens), whose RL step
-`experiments/aot.py` compiles for a TPU slice or a GPU node without weights (PRESETS below;
-docs/performance.md "Does it fit").
+(the same at 2k + 30k tokens), "30b_a3b_long_h100" (that on 8 x 80 GB: 128-row rollout
+chunks, the training state in host memory while they decode) and "235b_a22b" (Qwen3-235B-A22B
+at 8k tokens), whose RL step `experiments/aot.py` compiles for a TPU slice or a GPU node
+without weights (PRESETS below; docs/performance.md "Does it fit").
 
 Expected result: none measured yet. No real checkpoint has been trained with this config (the
 documentation reports no such run); the tests check only that the tiny variant trains and exports.
@@ -49,6 +50,12 @@ PRESETS = {
     "30b_a3b_long": dict(model="qwen3_30b_a3b", prompt=2048, new=30720, prompts=32, group=16,
                          mini=128, budget=32768, mesh=dict(data=1, fsdp=1, expert=8),
                          layout="experts"),
+    # the same on 8 GPUs of 80 GB: a 32k row's bf16 KV cache is 3.2 GB, so 16 rows a GPU (one
+    # prompt's group) and the training state in host memory while they decode (offload)
+    "30b_a3b_long_h100": dict(model="qwen3_30b_a3b", prompt=2048, new=30720, prompts=32,
+                              group=16, mini=128, budget=32768,
+                              mesh=dict(data=1, fsdp=1, expert=8), layout="experts", chunk=128,
+                              offload=True),
     # Qwen3-235B-A22B at NeMo-RL's shape: 8k tokens, 32 prompts x 16 = 512 rows a step
     "235b_a22b": dict(model="qwen3_235b_a22b", prompt=1024, new=7168, prompts=32, group=16,
                       mini=512, budget=8192, mesh=dict(data=1, fsdp=8, expert=8),
@@ -77,7 +84,8 @@ def preset(c: ml_collections.ConfigDict, name: str) -> None:
     c.train.update(packing=True, max_tokens_per_micro_batch=p["budget"])
     c.model.remat = "full"  # each layer's input kept, the rest recomputed
     c.model.moe_chunk = 4096  # the MoE's (token, expert) buffers 4k tokens at a time
-    c.rollout.max_chunk_size = 256  # rows decoded together
+    c.rollout.max_chunk_size = p.get("chunk", 256)  # rows decoded together
+    c.rollout.offload_state = p.get("offload", False)  # training state in host memory meanwhile
     c.rollout.param_layout = p["layout"]  # the sampler's weights: experts | experts_all
     c.mesh.update(p["mesh"])
 
@@ -111,7 +119,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         default.stage("all", max_difficulty=1.0, steps=10**9, max_new_tokens=2048),
     )
     c.eval.update(every_steps=50, num_prompts=128, samples=4)
-    if variant in ("long", "30b_a3b_long"):  # reasoning-length traces: 2k + 30k new tokens
+    if variant == "long" or variant.startswith("30b_a3b_long"):  # 2k + 30k-token traces
         c.data.max_prompt_length = 2048  # tokens: a long problem statement fits
         c.model.remat = "full"  # each layer's input kept, the rest recomputed (least memory)
         c.model.moe_chunk = 4096  # the MoE's (token, expert) buffers 4k tokens of a row at a time

@@ -18,6 +18,7 @@ _SUBMODULES = (
     "data",
     "errors",
     "evaluate",
+    "generation",
     "losses",
     "metrics",
     "model",

@@ -72,6 +72,11 @@ class RolloutConfig:
     # rest replicated (`sharding.rollout_rules`); resharded once a step, as verl reshards FSDP
     # weights for its rollout engine.
     param_layout: str = "training"
+    # While the rollout decodes, the training state (params, the optimiser's moments, reference
+    # params) waits in host memory (`sharding.HOST_MEMORY`), leaving the device to the sampler's
+    # weights and KV cache; copied back before pi_old's forward (as verl's param_offload and
+    # optimizer_offload free the GPU for vLLM). Costs two copies of the state over PCIe a step.
+    offload_state: bool = False
     max_chunk_size: int = 64
     schedule: str = "length_aware"
     # length_aware: a re-prefilled position costs this many decode slot-steps (CPU ~1, GPU less);
@@ -96,6 +101,7 @@ class RolloutConfig:
                 "fp8": (isinstance(self.fp8, bool), "True or False"),
                 "dtype": (self.dtype in dtypes, "'' (the model's), float32, bfloat16 or float16"),
                 "param_layout": (self.param_layout in PARAM_LAYOUTS, " | ".join(PARAM_LAYOUTS)),
+                "offload_state": (isinstance(self.offload_state, bool), "True or False"),
                 "max_chunk_size": (
                     _is_int(self.max_chunk_size) and self.max_chunk_size >= 1,
                     "an int >= 1",

@@ -188,6 +188,27 @@ def state_shardings(mesh: jax.sharding.Mesh, optimizer, abstract_state, rules=RU
     return abstract_state.replace(step=rep, params=params, opt_state=opt, ref_params=ref)
 
 
+HOST_MEMORY = "pinned_host"  # host memory the devices copy to and from directly (DMA)
+
+
+def in_memory(shardings, kind: str | None):
+    """`shardings` (a tree) placing the same shards in memory `kind` of their devices
+    (`HOST_MEMORY`; None: the device's own): `jax.device_put(tree, in_memory(sh, HOST_MEMORY))`
+    moves a placed tree to host memory and back without a reshard."""
+    return jax.tree.map(lambda sh: sh.with_memory_kind(kind or "device"), shardings)
+
+
+def check_host_memory(where: str, field: str) -> None:
+    """A ConfigError naming `where.field` (set True) unless this backend's devices have
+    `HOST_MEMORY`."""
+    kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
+    if HOST_MEMORY not in kinds:
+        raise errors.ConfigError(
+            where, field, True, f"False on {jax.default_backend()}: its devices have no "
+            f"{HOST_MEMORY!r} memory (only {', '.join(sorted(kinds))})",
+        )  # fmt: skip
+
+
 def batch_shards(mesh) -> int:
     """How many shards a batch splits into: the size of (data x fsdp x expert)."""
     return _axis_size(mesh, BATCH_AXES)

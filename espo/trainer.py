@@ -39,11 +39,10 @@ from espo import (
     curriculum,
     errors,
     evaluate,
+    generation,
     metrics,
     packing,
     quant,
-    rollout,
-    sampler,
     scheduling,
     sft,
     sharding,
@@ -57,7 +56,6 @@ from espo.data import sources
 from espo.data import stream as stream_lib
 from espo.data import tokenizer as tokenizer_lib
 from espo.rewards import pool as pool_lib
-from espo.rewards import shaping
 
 HOST_FORMAT = "espo.trainer.v2"  # v2: + the resample buffer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -181,16 +179,23 @@ def sampler_model_config(s: config_lib.Settings, model_cfg):
     )
 
 
+def rollout_converts(s: config_lib.Settings) -> bool:
+    """Does the sampler decode from its own copy of the weights (FP8, or another layout)? If
+    not, it reads the training params themselves (rollout.offload_state keeps them on the
+    device)."""
+    return s.rollout.fp8 or s.rollout.param_layout != "training"
+
+
 def _rollout_params(s: config_lib.Settings, mesh, abstract_params, *, dtype: str):
     """params -> the sampler's weights, once a step: FP8 with `rollout.fp8`, in the rollout's
     own layout with a `rollout.param_layout` other than "training"
     (`sharding.rollout_rules`); the identity when neither applies."""
+    if not rollout_converts(s):
+        return lambda p: p
     layout = None
     if s.rollout.param_layout != "training":
         rules = sharding.rollout_rules(s.rollout.param_layout)
         layout = sharding.param_shardings(mesh, abstract_params, rules)
-    if layout is None and not s.rollout.fp8:
-        return lambda p: p
 
     def convert(params):
         if layout is not None:  # gathered here, once, instead of at every decode step
@@ -219,13 +224,6 @@ def _history(s: config_lib.Settings, train_src) -> zero_variance.PassRateHistory
     if not any(train_src[i].id in table.pass_rates for i in range(len(train_src))):
         raise bad(f"a table of this run's training prompts (none of its {len(table.pass_rates)})")
     return zero_variance.PassRateHistory.from_table(table)
-
-
-def _buckets(max_prompt_length: int, max_new_tokens: int) -> scheduling.LengthBuckets:
-    top = lambda n: sorted(set(scheduling.geometric_buckets(min_size=min(8, n), max_size=n)) | {n})
-    return scheduling.LengthBuckets(
-        prompt_buckets=top(max_prompt_length), generation_buckets=top(max_new_tokens)
-    )
 
 
 @dataclasses.dataclass
@@ -377,7 +375,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     curr = s.curriculum
     max_g = max(max(st.group_size for st in curr.stages), s.zve.max_group_size)
     num_rows, mini_rows, micro_rows = s.train.batch_rows(max_g)
-    widths = _buckets(s.max_prompt_length, curr.max_new_tokens)  # `batching.trim`'s buckets
+    widths = generation.buckets(s.max_prompt_length, curr.max_new_tokens)  # `batching.trim`'s
     Tp, Tg = s.max_prompt_length, widths.generation_bucket(curr.max_new_tokens)
 
     # ---- jitted steps: explicit shardings, donated state ----------------------------------------
@@ -431,6 +429,10 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         out_shardings=(state_sharding, rep),
     )
     rollout_params = _rollout_params(s, mesh, abstract.params, dtype=sampler_handle.cfg.dtype)
+    parked = None  # rollout.offload_state: where the training state waits during the rollout
+    if s.rollout.offload_state:
+        sharding.check_host_memory("--config.rollout", "offload_state")
+        parked = sharding.in_memory(state_sharding, sharding.HOST_MEMORY)
     latest = ckpt.latest_step()
     evaluate_now = functools.partial(
         _evaluate, handle, evals=evals, encode=encode, reward_fn=reward_fn, tok=tok, s=s, stop=stop
@@ -458,6 +460,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         host.start_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
         start_step = 0
         ckpt.save(0, state=state, host=host.state_dict(model_cfg), force=True)
+    del params  # the state holds the run's params from here: no second copy on the devices
     if main:
         metrics.truncate_jsonl(workdir / "metrics.jsonl", last_step=start_step)
     log = metrics.MetricsLogger(
@@ -486,9 +489,14 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
             stage = curr.stage(host.curriculum)
             with timer.phase("rollout"):
                 params_r = rollout_params(state.params)
-                gen = _Generator(s=s, stage=stage, handle=sampler_handle, params=params_r,
-                                 pool=pool, host=host, encode=encode, stop=stop, key=key, Tp=Tp,
-                                 Tg=Tg, reward_model=reward_model)  # fmt: skip
+                if parked is not None:  # params the sampler reads as they are stay
+                    keep = dict(params=state_sharding.params) if not rollout_converts(s) else {}
+                    state = jax.device_put(state, parked.replace(**keep))
+                gen = generation.Generator(
+                    s=s, stage=stage, handle=sampler_handle, params=params_r, pool=pool,
+                    host=host, encode=encode, stop=stop, key=key, Tp=Tp, Tg=Tg,
+                    reward_model=reward_model,
+                )  # fmt: skip
                 zcfg = dataclasses.replace(
                     s.zve,
                     group_size=stage.group_size,
@@ -504,6 +512,10 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                     history=host.history,
                 )
                 host.buffer = fill.buffer
+                del params_r  # the sampler's weights are freed before pi_old and the update
+                gen.params = None
+                if parked is not None:
+                    state = jax.device_put(state, state_sharding)  # back from host memory
             if not fill.batch.num_groups:
                 raise RuntimeError(
                     f"step {step}: no group for the batch of stage {stage.name!r}: data "
@@ -561,139 +573,6 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         ckpt.close()
     wall_s = time.perf_counter() - t_start
     return _finish(s, workdir, host, final_eval, handle, state, tok, wall_s, rep)
-
-
-class _Generator:
-    """The `generate` callback of `zero_variance.fill_batch` for one step: rollouts -> Groups.
-
-    Each call samples and scores with `rollout.generate_and_score`, shapes the rewards, and
-    returns the call's `zero_variance.Groups` straight from the Rollout arrays: group ids,
-    shaped and verifier rewards, reward_ok, and the rows in the batch's fixed widths
-    (`batching.rollout_rows`, Tp + Tg), so `batching.make_train_batch` takes the batch table
-    as it is and a carried-over group keeps the arrays of the policy that sampled it.
-    """
-
-    def __init__(self, *, s, stage, handle, params, pool, host, encode, stop, key, Tp, Tg,
-                 reward_model=None):  # fmt: skip
-        self.s, self.stage, self.handle, self.params, self.pool = s, stage, handle, params, pool
-        self.reward_model = reward_model  # model_rewards.RewardModelRewards or None
-        self.host, self.encode, self.key, self.Tp, self.Tg = host, encode, key, Tp, Tg
-        self.parts: list[tuple[rollout.RolloutResult, np.ndarray]] = []
-        self.config = rollout.RolloutSpec(
-            sampling=sampler.SamplingParams(
-                max_new_tokens=stage.max_new_tokens,
-                temperature=s.rollout.temperature,
-                top_p=s.rollout.top_p,
-                top_k=s.rollout.top_k,
-                **stop,
-            ),
-            buckets=_buckets(s.max_prompt_length, stage.max_new_tokens),
-            max_chunk_size=s.rollout.max_chunk_size,
-            schedule=s.rollout.schedule,
-            prefill_cost=s.rollout.prefill_cost,
-            steps_per_check=s.rollout.steps_per_check,
-            overlap_rewards=s.rollout.overlap_rewards,
-        )
-        r = s.reward
-        self.shaping = shaping.ShapingConfig(
-            overlong_weight=r.overlong_weight,
-            max_length=stage.max_new_tokens,
-            cache_length=max(1, int(round(stage.max_new_tokens * r.overlong_cache_fraction))),
-            repetition_weight=r.repetition_weight,
-            ngram_size=r.ngram_size,
-            repetition_threshold=r.repetition_threshold,
-        )
-
-    def __call__(self, exs: list[examples_lib.Example], sizes: np.ndarray) -> zero_variance.Groups:
-        res = rollout.generate_and_score(
-            self.handle,
-            self.params,
-            prompts=[self.encode(e) for e in exs],
-            prompt_texts=[e.prompt for e in exs],
-            metas=[e.meta for e in exs],
-            group_sizes=[int(g) for g in sizes],
-            key=jax.random.fold_in(self.key, len(self.parts)),
-            config=self.config,
-            reward_pool=self.pool,
-            predictor=self.host.predictor,
-            prompt_ids=[e.id for e in exs],
-            # rollout.detokenize="host": the baseline of the system table, serial on the host
-            detokenize=self.pool.detokenize if self.s.rollout.detokenize == "host" else None,
-        )
-        r = res.rollout
-        verifier = np.asarray(r.rewards, np.float32)
-        rows = batching.rollout_rows(
-            r, prompt_length=self.Tp, generation_length=self.Tg, pad_id=self.config.sampling.pad_id
-        )
-        reward, verifiable = verifier, None  # the reward advantages normalise (before shaping)
-        true_rewards = None  # the verifier's, kept when `reward` is something else
-        if self.reward_model is not None:  # a learned RM's rewards; the verifier measures them
-            correct = np.nan_to_num(verifier) > self.s.advantage.success_threshold
-            reward, verifiable, rm_metrics = self.reward_model(
-                rows["tokens"], rows["attention_mask"], np.asarray(r.group_ids), correct
-            )
-            res = dataclasses.replace(res, metrics={**res.metrics, **rm_metrics})
-            true_rewards = verifier  # what train/accuracy reads off carried groups
-        if self.s.reward.shuffle:  # the shuffled-reward control: permuted over the valid rows
-            key = jax.random.fold_in(jax.random.fold_in(self.key, 2**20), len(self.parts))
-            reward = _shuffled(reward, np.asarray(r.reward_ok), key)
-            true_rewards = verifier
-        rep = self.shaping.repetition_weight > 0
-        shaped, _ = shaping.shape_rewards(
-            np.nan_to_num(reward), lengths=np.asarray(r.lengths),
-            token_ids_or_texts=np.asarray(r.tokens) if rep else None, cfg=self.shaping,
-        )  # fmt: skip
-        self.parts.append((res, shaped))
-        return zero_variance.Groups(
-            prompt_ids=tuple(e.id for e in exs),
-            group_ids=np.asarray(r.group_ids),
-            rewards=shaped,
-            raw_rewards=reward,
-            valid=np.asarray(r.reward_ok),
-            verifiable=verifiable,
-            true_rewards=true_rewards,
-            rows=rows,
-        )
-
-    def metrics(self, batch: zero_variance.Groups) -> dict[str, float]:
-        """train/* over every generated row; rollout/* timings summed over calls, rest averaged.
-
-        A step served wholly from carried-over groups generated nothing: its train/ reward and
-        accuracy are those of the `batch` it trains on (the curriculum reads the accuracy).
-        """
-        thr = self.s.advantage.success_threshold
-        rs = [res.rollout for res, _ in self.parts]
-        if rs:
-            ok = np.concatenate([np.asarray(r.reward_ok, bool) for r in rs])
-            verifier = np.concatenate([np.asarray(r.rewards, np.float32) for r in rs])[ok]
-        else:  # served wholly from carried-over groups
-            verifier = batch.measured_rewards[batch.valid]
-        out = {
-            "train/reward_mean": float(verifier.mean()) if verifier.size else 0.0,
-            "train/accuracy": float((verifier > thr).mean()) if verifier.size else 0.0,
-        }
-        if not rs:
-            return out | {"train/generated_tokens": 0.0, "train/rollouts": 0.0}
-        shaped = np.concatenate([s for _, s in self.parts])[ok]
-        lengths = np.concatenate([np.asarray(r.lengths) for r in rs])
-        out |= {
-            "train/shaped_reward_mean": float(shaped.mean()) if shaped.size else 0.0,
-            "train/response_length": float(lengths.mean()),
-            "train/generated_tokens": float(lengths.sum()),
-            "train/rollouts": float(lengths.size),
-        }
-        keys = {k for res, _ in self.parts for k in res.metrics}
-        for k in keys:
-            vals = [res.metrics[k] for res, _ in self.parts if k in res.metrics]
-            out[k] = float(np.sum(vals) if k.endswith("_s") else np.mean(vals))
-        return out
-
-
-def _shuffled(rewards: np.ndarray, ok: np.ndarray, key) -> np.ndarray:
-    """`rewards` with the values of the `ok` rows permuted among those rows (by `key`)."""
-    out, rows = rewards.copy(), np.flatnonzero(ok)
-    out[rows] = rewards[rows][np.asarray(jax.random.permutation(key, len(rows)))]
-    return out
 
 
 def _group_sizes(zcfg, history, exs) -> np.ndarray:

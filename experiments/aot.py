@@ -21,7 +21,9 @@ tokens; a micro-batch gives each device `--rows-per-device` rows of T (default: 
 row of train.max_tokens_per_micro_batch tokens, `// T` rows of it, with train.packing; else
 train.micro_batch_size over the devices). A packed micro-batch is compiled as padded rows of
 the same tokens. The training state is resident during every program: the rollout and pi_old
-rows count the params and optimiser state they do not take as arguments ("resident").
+rows count the params and optimiser state they do not take as arguments ("resident"), except
+the rollout's with rollout.offload_state (the state waits in host memory: its copy out and back
+over the chip's host link is added to the step).
 
 Per device, per program: params, optimiser state, other inputs (batch / prompts), temporaries,
 outputs not aliased to an input, resident state, their total against the chip's HBM. On a TPU
@@ -224,9 +226,20 @@ def step_projection(res: dict, cfg, chip, s) -> dict:
         r = progs["rollout"]
         matmul = program_seconds(res, "rollout")
         out["rollout_s"] = math.ceil(rows / shp["chunk_rows"]) * seconds(r, matmul, coll(r))
-    out["step_s"] = sum(out.get(k, 0.0) for k in ("update_s", "old_s", "rollout_s"))
+        if r.get("offloaded"):  # rollout.offload_state: out to host memory and back, a step
+            out["offload_s"] = 2 * r["offloaded"] / chip.host_bw if chip.host_bw else None
+    parts = ("update_s", "old_s", "rollout_s", "offload_s")
+    out["step_s"] = sum(out.get(k) or 0.0 for k in parts)
     out["tokens_per_s_per_chip"] = rows * T / (out["step_s"] * n) if out["step_s"] else None
     return out
+
+
+def _offload_line(proj: dict, chip) -> str:
+    if "offload_s" not in proj:
+        return ""
+    if proj["offload_s"] is None:
+        return f", the state to host and back not counted ({chip.name}'s host link unknown)"
+    return f", the state to host and back {proj['offload_s']:.1f} s"
 
 
 def this_cpu():
@@ -430,7 +443,8 @@ def main(argv=None) -> dict:
         print(
             f"\nfits: mesh {chosen['mesh']}. One RL step ({shp['step_rows']} rows of "
             f"{shp['T']} tokens): update {proj.get('update_s', 0):.1f} s, pi_old "
-            f"{proj.get('old_s', 0):.1f} s, rollout {proj.get('rollout_s', 0):.1f} s; "
+            f"{proj.get('old_s', 0):.1f} s, rollout {proj.get('rollout_s', 0):.1f} s"
+            f"{_offload_line(proj, chip)}; "
             f"{proj['tokens_per_s_per_chip']:.0f} tokens/s per chip; the update's MFU "
             f"{proj.get('update_mfu', 0):.2f} (roofline: an upper bound)"
         )

@@ -210,12 +210,18 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
             steps_per_check=1, trace_weights=False,
         )  # fmt: skip  # an id no row samples: every decode step runs (the longest chunk)
 
+    # The training state stays on the device while it decodes, or (rollout.offload_state) waits
+    # in host memory, all but params the sampler reads as they are: copied out and back a step.
+    state_b = sizes["params"] + sizes["opt_state"]
+    kept = state_b
+    if s.rollout.offload_state:
+        kept = 0.0 if trainer.rollout_converts(s) else sizes["params"]
     out["rollout"] = (
         jax.jit(rollout),
         (dparams, prompts, mask, key, budget),
         dict(params=per_device_bytes(dparams), opt_state=0.0,
-             inputs=per_device_bytes((prompts, mask, key, budget))),
-        sizes["params"] + sizes["opt_state"],
+             inputs=per_device_bytes((prompts, mask, key, budget)), offloaded=state_b - kept),
+        kept,
     )  # fmt: skip
     return out
 

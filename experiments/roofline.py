@@ -65,11 +65,14 @@ class Chip:
     # collective over one axis of a TPU torus uses only that axis' links, so this is optimistic.
     link_bw: float
     source: str
+    # Host memory <-> one chip, bytes/s one way (PCIe): the state a rollout offloads
+    # (rollout.offload_state) goes out and back at it; 0 = not known.
+    host_bw: float = 0.0
 
     def __post_init__(self):
-        for field in ("peak_flops", "hbm_bytes", "hbm_bw", "link_bw"):
+        for field in ("peak_flops", "hbm_bytes", "hbm_bw", "link_bw", "host_bw"):
             value = getattr(self, field)
-            if not value > 0:
+            if not (value > 0 or field == "host_bw" and value == 0):
                 raise ValueError(f"Chip {self.name!r}: {field}={value!r}, must be > 0")
 
 
@@ -79,25 +82,35 @@ class Chip:
 # v6e's page changed: 1640 GBps HBM and 3584 Gbps ICI before, 1600 GBps and bidirectional 800
 # GBps (3200 Gbps) now; the latter ICI is used. NVIDIA's datasheets are not in the offline
 # copies: their figures are checked against the pages named.
+# Host links: a TPU's PCIe, 1.5e10 bytes/s, is the figure the JAX scaling book's TPU chapter
+# works with (v6e; Google's pages print none per chip), taken for every TPU here; an H100 /
+# H200 SXM has PCIe Gen5 x16, 64 GB/s one way (PCI-SIG's 32 GT/s x 16 lanes).
 _TPU = "Google Cloud TPU docs, 'TPU {}' system architecture table: "
+_PCIE_TPU, _PCIE5 = 1.5e10, 64e9
 CHIPS = {c.name: c for c in (
     Chip(name="v5p", peak_flops=459e12, hbm_bytes=95 * GiB, hbm_bw=2765e9, link_bw=600e9,
-         source=_TPU.format("v5p") + "459 TFLOPs bf16, 95 GiB, 2765 GBps, ICI 4800 Gbps"),
+         source=_TPU.format("v5p") + "459 TFLOPs bf16, 95 GiB, 2765 GBps, ICI 4800 Gbps",
+         host_bw=_PCIE_TPU),
     Chip(name="v5e", peak_flops=197e12, hbm_bytes=16 * GiB, hbm_bw=819e9, link_bw=200e9,
-         source=_TPU.format("v5e") + "197 TFLOPs bf16, 16 GB, 819 GBps, ICI 1600 Gbps"),
+         source=_TPU.format("v5e") + "197 TFLOPs bf16, 16 GB, 819 GBps, ICI 1600 Gbps",
+         host_bw=_PCIE_TPU),
     Chip(name="v6e", peak_flops=918e12, hbm_bytes=32 * GiB, hbm_bw=1640e9, link_bw=400e9,
          source=_TPU.format("v6e") + "918 TFLOPs bf16, 32 GB, 1640 GBps, ICI bidirectional"
-         " 800 GBps"),
+         " 800 GBps",
+         host_bw=_PCIE_TPU),
     Chip(name="v4", peak_flops=275e12, hbm_bytes=32 * GiB, hbm_bw=1200e9, link_bw=300e9,
          source=_TPU.format("v4") + "275 TFLOPs bf16, 32 GiB, 1200 GBps; ICI not there: 6 links"
-         " x 400 Gbps each way (glennklockwood.com/garden/processors/TPUv4)"),
+         " x 400 Gbps each way (glennklockwood.com/garden/processors/TPUv4)",
+         host_bw=_PCIE_TPU),
     Chip(name="h100", peak_flops=989e12, hbm_bytes=80e9, hbm_bw=3.35e12, link_bw=450e9,
          source="NVIDIA H100 SXM datasheet (not found offline): 989 TFLOPS dense bf16, 80 GB,"
          " 3.35 TB/s, NVLink 900 GB/s bidirectional (glennklockwood.com/garden/processors/h100,"
-         " NVIDIA/nccl issue 1264: 450 GB/s unidirectional)"),
+         " NVIDIA/nccl issue 1264: 450 GB/s unidirectional)",
+         host_bw=_PCIE5),
     Chip(name="h200", peak_flops=989e12, hbm_bytes=141e9, hbm_bw=4.8e12, link_bw=450e9,
          source="NVIDIA H200 SXM datasheet (not found offline): H100 compute (same GH100), 141 GB"
-         " HBM3e, 4.8 TB/s, NVLink 900 GB/s bidirectional (MLCommons H200-SXM-141GB system)"),
+         " HBM3e, 4.8 TB/s, NVLink 900 GB/s bidirectional (MLCommons H200-SXM-141GB system)",
+         host_bw=_PCIE5),
 )}  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import time
+import types
 
 import chex
 import jax
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo import errors, model, rollout, sampler, scheduling, testing, train_step, types
+from espo import errors, model, rollout, sampler, scheduling, sharding, testing, train_step
+from espo import types as espo_types
 from espo.rewards import pool as pool_lib
 
 V = 64
@@ -514,7 +516,7 @@ def test_rollouts_differing_in_text_share_one_compile(reward_pool):
     fake = testing.CountingModel(vocab=V)
     first = _run(reward_pool, fake)
     other = _run(reward_pool, fake, prompt_texts=[f"other {i}" for i in range(8)])
-    assert isinstance(first.rollout, types.Rollout) and first.completions
+    assert isinstance(first.rollout, espo_types.Rollout) and first.completions
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(first.rollout))
     traces = []
 
@@ -604,7 +606,22 @@ def test_chunk_n_draws_from_fold_in_key_n_across_waves(reward_pool, monkeypatch)
     np.testing.assert_array_equal(np.stack(keys), np.stack(expected))
 
 
-@pytest.mark.parametrize(("field", "value"), [("param_layout", "tensor"), ("schedule", "lifo")])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("param_layout", "tensor"), ("schedule", "lifo"), ("offload_state", "yes")],
+)
 def test_the_rollout_section_names_a_bad_field(field, value):
     with testing.raises_invalid(field):
         rollout.RolloutConfig(**{field: value})
+
+
+def test_offloading_the_state_needs_host_memory(monkeypatch):
+    """rollout.offload_state on a backend whose devices have no host memory kind: a
+    ConfigError naming the key, before anything compiles."""
+    sharding.check_host_memory("--config.rollout", "offload_state")  # this CPU has it
+    no_host = types.SimpleNamespace(
+        addressable_memories=lambda: [types.SimpleNamespace(kind="device")]
+    )
+    monkeypatch.setattr(jax, "local_devices", lambda: [no_host])
+    with testing.raises_invalid("offload_state", where="--config.rollout", kind=errors.ConfigError):
+        sharding.check_host_memory("--config.rollout", "offload_state")

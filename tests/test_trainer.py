@@ -27,6 +27,7 @@ import pytest
 from espo import (
     batching,
     checkpoint,
+    generation,
     metrics,
     rollout,
     testing,
@@ -37,6 +38,7 @@ from espo import (
 from espo import config as config_lib
 from espo.data import sources, tokenizer
 from espo.model import config as model_config
+from espo.model import transformer
 from espo.testing import raises_invalid
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -141,9 +143,9 @@ def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypat
     source, _ = straight
     before = sorted(p.name for p in (source / "checkpoints").iterdir())
     monkeypatch.setattr(trainer, "_warm_start", lambda *a, **k: pytest.fail("warm start ran"))
-    dtypes, generate = [], trainer.rollout.generate_and_score
+    dtypes, generate = [], rollout.generate_and_score
     spy = lambda handle, *a, **k: dtypes.append(handle.cfg.dtype) or generate(handle, *a, **k)
-    monkeypatch.setattr(trainer.rollout, "generate_and_score", spy)
+    monkeypatch.setattr(rollout, "generate_and_score", spy)
     workdir = tmp_path / "arm"
     cfg = _config(model__init_from=str(source), train__steps=3, rollout__dtype="bfloat16")
     cfg.rollout.fp8, cfg.train.log_every, cfg.checkpoint.keep = False, 2, 4
@@ -204,20 +206,50 @@ def test_warm_start_trains_on_the_worked_solutions(tmp_path, monkeypatch):
 def test_shuffled_rewards_permute_the_valid_rows_only():
     rewards = np.array([1.0, 0.0, 0.5, 9.0, 0.25], np.float32)
     ok = np.array([True, True, True, False, True])
-    perms = {tuple(trainer._shuffled(rewards, ok, jax.random.key(k))) for k in range(20)}
+    perms = {tuple(generation.shuffled(rewards, ok, jax.random.key(k))) for k in range(20)}
     assert len(perms) > 1  # the order changes with the key
     for p in perms:
         p = np.array(p)
         assert p[3] == 9.0 and sorted(p[ok]) == sorted(rewards[ok])
-    again = trainer._shuffled(rewards, ok, jax.random.key(3))
-    np.testing.assert_array_equal(again, trainer._shuffled(rewards, ok, jax.random.key(3)))
+    again = generation.shuffled(rewards, ok, jax.random.key(3))
+    np.testing.assert_array_equal(again, generation.shuffled(rewards, ok, jax.random.key(3)))
 
 
 @pytest.mark.slow
-def test_resume_equals_uninterrupted(straight, tmp_path):
-    """2 steps + checkpoint + 1 more step == 3 straight steps (the step-3 checkpoint removed)."""
-    _resume_from_step_2(straight[0], tmp_path / "resumed")
+def test_resume_equals_uninterrupted_with_the_state_in_host_memory_during_rollouts(
+    straight, tmp_path, monkeypatch
+):
+    """2 steps + checkpoint + 1 more step == 3 straight steps (the step-3 checkpoint removed).
+    The resumed step runs with rollout.offload_state, which changes where the training state
+    is while the rollout generates, never a value: in host memory then, all of it (params and
+    Adam's two moments: 3x the params' bytes), and the device holds less than the params; the
+    sampler's FP8 weights are freed before the update."""
+    seen = []
+    generate = rollout.generate_and_score
+
+    def spy(*args, **kwargs):
+        by_kind = {}
+        for a in jax.live_arrays():
+            by_kind[a.sharding.memory_kind] = by_kind.get(a.sharding.memory_kind, 0) + a.nbytes
+        seen.append(by_kind)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(rollout, "generate_and_score", spy)
+    updating = []  # the dtypes on the device while the update runs: the FP8 weights are gone
+    minibatches = batching.minibatches
+
+    def spy_update(*args, **kwargs):
+        updating.append({x.dtype for x in jax.live_arrays()})
+        return minibatches(*args, **kwargs)
+
+    monkeypatch.setattr(batching, "minibatches", spy_update)
+    _resume_from_step_2(straight[0], tmp_path / "resumed", rollout__offload_state=True)
+    assert updating and not any(np.dtype(jnp.float8_e4m3fn) in u for u in updating), updating
     _assert_same_runs(_comparable(tmp_path / "resumed"), _comparable(straight[0]))
+    shapes = transformer.param_shapes(config_lib.Settings.from_config(_config()).model)
+    param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    assert seen and all(s.get("pinned_host", 0) > 3 * param_bytes for s in seen), seen
+    assert all(s["device"] < param_bytes for s in seen), (seen, param_bytes)
 
 
 # Resample with carry-over; oversampling x16, at temperature 1 (more groups with a wrong sample
@@ -569,7 +601,7 @@ def test_train_accuracy_counts_rewards_above_success_threshold_only():
     > advantage.success_threshold of the rows whose reward call succeeded: a reward exactly at
     it (a custom verifier's half credit at the default 0.5) is no success."""
     s = config_lib.Settings.from_config(_config())
-    gen = trainer._Generator(
+    gen = generation.Generator(
         s=s, stage=s.curriculum.stages[0], handle=None, params=None, pool=None, host=None,
         encode=None, stop=dict(stop_ids=(1,), pad_id=0), key=None, Tp=32, Tg=16,
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """experiments/aot.py: the presets' shapes, the memory breakdown against XLA's, the fit verdict,
 the mesh search and the step projection."""
 
+import dataclasses
 import math
 import pathlib
 import sys
@@ -43,6 +44,11 @@ def test_config_presets_build_the_real_shapes():
     shp = aot_programs.shapes_of(s, cfg, devices=8)
     assert (shp["T"], shp["rows_per_device"], shp["step_rows"]) == (32768, 1, 512)
     assert shp["chunk_rows"] % 8 == 0 and shp["chunk_rows"] % shp["G"] == 0
+    # the same on 8 x 80 GB: one prompt's group (16 rows) a GPU, the state offloaded
+    s8, cfg8 = aot_programs.settings_of("configs/qwen3_moe.py:30b_a3b_long_h100")
+    assert cfg8 == cfg and aot_programs.shapes_of(s8, cfg8, devices=8)["chunk_rows"] == 128
+    assert s8.rollout.offload_state and not s.rollout.offload_state
+    assert dataclasses.replace(s8.rollout, max_chunk_size=256, offload_state=False) == s.rollout
     s, cfg = aot_programs.settings_of("configs/qwen3_moe.py:235b_a22b")
     assert cfg.num_layers == 94 and aot_programs.shapes_of(s, cfg, devices=64)["T"] == 8192
 
@@ -123,6 +129,24 @@ def test_the_rollout_layout_gathers_no_weight_at_decode(two_devices):
     assert own["params"] == pytest.approx(2 * training["params"], rel=0.1)
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+def test_an_offloaded_state_is_not_resident_while_the_rollout_decodes(fp8):
+    """rollout.offload_state: the rollout's resident state is what stays on the device (nothing
+    with the sampler's own FP8 copy; the params it reads as they are without one), the rest is
+    counted as offloaded (the bytes the step copies out and back)."""
+    sets = ("rollout.offload_state=true", f"rollout.fp8={str(fp8).lower()}")
+    s, cfg = aot_programs.settings_of("configs/default.py:tiny", sets)
+    assert s.rollout.offload_state and s.rollout.fp8 == fp8
+    mesh = aot_programs.mesh_over(jax.devices()[:1], {})
+    progs = aot_programs.programs(s, cfg, mesh, aot_programs.shapes_of(s, cfg, devices=1))
+    state = progs["update"][2]
+    _, _, sizes, resident = progs["rollout"]
+    assert resident == (0.0 if fp8 else state["params"])
+    assert resident + sizes["offloaded"] == state["params"] + state["opt_state"]
+    _, _, old, old_resident = progs["old"]  # back on the device for pi_old
+    assert old["params"] + old_resident == state["params"] + state["opt_state"]
+
+
 def test_a_config_that_cannot_fit_is_reported_as_such(two_devices):
     (res,) = two_devices["results"]
     total = max(r["total"] for r in res["programs"].values())
@@ -153,6 +177,17 @@ def test_step_projection_counts_every_micro_batch_chunk_and_decode_step():
     assert p["old_s"] == pytest.approx(8 * 0.5)
     assert p["rollout_s"] == pytest.approx(2 * (0.3 + 59 * 0.01))  # 2 chunks
     assert p["tokens_per_s_per_chip"] == pytest.approx(32 * 100 / (p["step_s"] * 4))
+    assert "offload_s" not in p and p["step_s"] == pytest.approx(16 + 4 + p["rollout_s"])
+    # rollout.offload_state: the state out to host memory and back over the chip's host link,
+    # once a step; not counted on a chip whose link is not known.
+    res["programs"]["rollout"]["offloaded"] = 3e9
+    p = aot.step_projection(res, cfg, chip, None)
+    assert p["offload_s"] == pytest.approx(2 * 3e9 / chip.host_bw)
+    assert p["step_s"] == pytest.approx(16 + 4 + p["rollout_s"] + p["offload_s"])
+    unknown = dataclasses.replace(chip, host_bw=0.0)
+    q = aot.step_projection(res, cfg, unknown, None)
+    assert q["offload_s"] is None and q["step_s"] == pytest.approx(16 + 4 + p["rollout_s"])
+    res["programs"]["rollout"].pop("offloaded")
     # Collectives slower than the matmuls bind the update.
     slow = {"all-gather": dict(count=1, bytes=3.0 * chip.link_bw)}
     res["programs"]["update"] = row(collectives=slow)
