@@ -8,7 +8,7 @@
 # wheels it lacks in .whl (docs/gpu/README.md): ml_collections, grain, array_record, portpicker,
 # tensorboardX, math-verify, latex2sympy2_extended, antlr4-python3-runtime. Sections, each under
 # its own time limit so that one hang does not cost the rest:
-#   machine: GPU, driver, JAX and its devices;
+#   machine: GPU, driver, JAX and its devices, a copy to host memory and back (offload_state);
 #   tests:   the GPU subset: the Triton and Mosaic GPU grouped matmuls compiled, against the
 #            group loop (values and gradients) and the per-expert loop (every dispatch path);
 #   decode:  bench_moe.py --only decode on the 1.9B bench MoE: kernels per decode step and
@@ -58,6 +58,11 @@ CMDBUF=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,
 if on machine; then
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
   $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
+  $PY -c "import jax, jax.numpy as jnp; from espo import sharding  # rollout.offload_state's copy
+sharding.check_host_memory('--config.rollout', 'offload_state')
+sh = sharding.replicated(sharding.make_mesh(data=1)); x = jax.device_put(jnp.ones((4096, 4096)), sh)
+h = jax.device_put(x, sharding.in_memory(sh, sharding.HOST_MEMORY))
+print('offload:', h.sharding.memory_kind, 'and back equal:', bool((jax.device_put(h, sh) == x).all()))"
 fi
 if on tests; then
   timeout 90 $PY -m pytest -q -p no:cacheprovider tests/model/test_grouped.py \
