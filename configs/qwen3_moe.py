@@ -51,11 +51,12 @@ PRESETS = {
                          mini=128, budget=32768, mesh=dict(data=1, fsdp=1, expert=8),
                          layout="experts"),
     # the same on 8 GPUs of 80 GB: a 32k row's bf16 KV cache is 3.2 GB, so 16 rows a GPU (one
-    # prompt's group) and the training state in host memory while they decode (offload)
+    # prompt's group) and the training state in host memory while they decode (offload); the
+    # eval (bf16 weights, the params resident) decodes 8 rows a GPU
     "30b_a3b_long_h100": dict(model="qwen3_30b_a3b", prompt=2048, new=30720, prompts=32,
                               group=16, mini=128, budget=32768,
                               mesh=dict(data=1, fsdp=1, expert=8), layout="experts", chunk=128,
-                              offload=True),
+                              offload=True, eval_rows=64),
     # Qwen3-235B-A22B at NeMo-RL's shape: 8k tokens, 32 prompts x 16 = 512 rows a step
     "235b_a22b": dict(model="qwen3_235b_a22b", prompt=1024, new=7168, prompts=32, group=16,
                       mini=512, budget=8192, mesh=dict(data=1, fsdp=8, expert=8),
@@ -86,6 +87,7 @@ def preset(c: ml_collections.ConfigDict, name: str) -> None:
     c.model.moe_chunk = 4096  # the MoE's (token, expert) buffers 4k tokens at a time
     c.rollout.max_chunk_size = p.get("chunk", 256)  # rows decoded together
     c.rollout.offload_state = p.get("offload", False)  # training state in host memory meanwhile
+    c.eval.batch_size = p.get("eval_rows", c.eval.batch_size)  # rows an eval call decodes
     c.rollout.param_layout = p["layout"]  # the sampler's weights: experts | experts_all
     c.mesh.update(p["mesh"])
 

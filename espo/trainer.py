@@ -429,14 +429,32 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         out_shardings=(state_sharding, rep),
     )
     rollout_params = _rollout_params(s, mesh, abstract.params, dtype=sampler_handle.cfg.dtype)
-    parked = None  # rollout.offload_state: where the training state waits during the rollout
+    parked = None  # rollout.offload_state: where the training state waits while it decodes
     if s.rollout.offload_state:
         sharding.check_host_memory("--config.rollout", "offload_state")
         parked = sharding.in_memory(state_sharding, sharding.HOST_MEMORY)
+
+    def park(state, *, keep_params: bool):
+        """rollout.offload_state: `state` to host memory, but for params the device still reads
+        (`unpark` brings it back); the identity without it."""
+        if parked is None:
+            return state
+        return jax.device_put(
+            state, parked.replace(params=state_sharding.params) if keep_params else parked
+        )
+
+    unpark = lambda state: state if parked is None else jax.device_put(state, state_sharding)
     latest = ckpt.latest_step()
-    evaluate_now = functools.partial(
+    evaluate_params = functools.partial(
         _evaluate, handle, evals=evals, encode=encode, reward_fn=reward_fn, tok=tok, s=s, stop=stop
     )
+
+    def evaluate_now(state) -> tuple[dict, train_step.TrainState]:
+        """The held-out eval of `state.params` (the same key every time), the optimiser's
+        moments parked meanwhile."""
+        state = park(state, keep_params=True)
+        return evaluate_params(state.params, jax.random.fold_in(root, 1)), unpark(state)
+
     if latest is not None:
         # Restored straight into this run's shardings: a checkpoint of another mesh or process
         # count (orbax reshards) resumes here, and `update` finds the state where it leaves it.
@@ -457,7 +475,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                 reward_fn=reward_fn,
             )  # fmt: skip
         state = jax.jit(make_state, out_shardings=state_sharding)(params)  # created sharded
-        host.start_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
+        host.start_eval, state = evaluate_now(state)
         start_step = 0
         ckpt.save(0, state=state, host=host.state_dict(model_cfg), force=True)
     del params  # the state holds the run's params from here: no second copy on the devices
@@ -480,7 +498,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     timer, compiles = metrics.PhaseTimer(), metrics.CompileCounter()
     final_eval = host.start_eval
     if 0 < start_step == s.train.steps:  # a finished run rerun: its final eval (same key) again
-        final_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
+        final_eval, state = evaluate_now(state)
     try:
         for step in range(start_step, s.train.steps):
             timer.reset()
@@ -489,9 +507,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
             stage = curr.stage(host.curriculum)
             with timer.phase("rollout"):
                 params_r = rollout_params(state.params)
-                if parked is not None:  # params the sampler reads as they are stay
-                    keep = dict(params=state_sharding.params) if not rollout_converts(s) else {}
-                    state = jax.device_put(state, parked.replace(**keep))
+                state = park(state, keep_params=not rollout_converts(s))
                 gen = generation.Generator(
                     s=s, stage=stage, handle=sampler_handle, params=params_r, pool=pool,
                     host=host, encode=encode, stop=stop, key=key, Tp=Tp, Tg=Tg,
@@ -514,8 +530,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
                 host.buffer = fill.buffer
                 del params_r  # the sampler's weights are freed before pi_old and the update
                 gen.params = None
-                if parked is not None:
-                    state = jax.device_put(state, state_sharding)  # back from host memory
+                state = unpark(state)
             if not fill.batch.num_groups:
                 raise RuntimeError(
                     f"step {step}: no group for the batch of stage {stage.name!r}: data "
@@ -556,7 +571,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
             done = step + 1
             if done == s.train.steps or (s.eval.every_steps and done % s.eval.every_steps == 0):
                 with timer.phase("eval"):
-                    final_eval = evaluate_now(state.params, jax.random.fold_in(root, 1))
+                    final_eval, state = evaluate_now(state)
                 out.update(final_eval)
             if ckpt.should_save(done) or done == s.train.steps:
                 with timer.phase("checkpoint"):

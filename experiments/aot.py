@@ -15,7 +15,10 @@ the trainer jits (`trainer.train`):
   old      `train_step.prepare`: pi_old's forward (router replay) over one micro-batch;
   rollout  `sampler._sample_chunk` on one chunk (`rollout.max_chunk_size` rows, FP8 weights in
            the decode layout when `rollout.fp8`): the prefill, the KV cache of prompt + every
-           new token, and the decode loop.
+           new token, and the decode loop;
+  eval     the held-out eval's larger sampler call (`evaluate._run_pass`: eval.batch_size rows,
+           the training model and params, copied to the decode layout): not every step (eval.
+           every_steps), so outside the step's time, but its memory must fit like the rest.
 Shapes: a trace is T = data.max_prompt_length + the curriculum's largest max_new_tokens
 tokens; a micro-batch gives each device `--rows-per-device` rows of T (default: one packed
 row of train.max_tokens_per_micro_batch tokens, `// T` rows of it, with train.packing; else
@@ -74,6 +77,7 @@ import sys
 import time
 
 from aot_programs import (  # the compiling subprocess's half
+    DECODING,
     PROGRAMS,
     ROOT,
     GiB,
@@ -284,19 +288,19 @@ def fits(res: dict, hbm: float) -> dict[str, bool]:
 
 def flops_per_token(res: dict, prog: str) -> float:
     """A program's matmul FLOPs per token it processes: a micro-batch's rows x T for the update
-    and pi_old, a chunk's rows x T (prefill + every decode step) for the rollout."""
+    and pi_old, a chunk's rows x T (prefill + every decode step) for the rollout and the eval."""
     r, shp = res["programs"][prog], res["shapes"]
-    if prog == "rollout":
+    if prog in DECODING:
         total = r["flops"] + (shp["Tg"] - 1) * r["decode_flops"]
-        return total / (shp["chunk_rows"] * shp["T"])
+        return total / (shp[DECODING[prog]] * shp["T"])
     return r["flops"] / (shp["micro_rows"] * shp["T"])
 
 
 def program_seconds(res: dict, prog: str) -> float:
-    """A program's roofline matmul seconds for one run of it (the rollout: prefill and every
-    decode step of its chunk)."""
+    """A program's roofline matmul seconds for one run of it (the rollout and the eval: prefill
+    and every decode step of its chunk)."""
     r = res["programs"][prog]
-    if prog == "rollout":
+    if prog in DECODING:
         return r["matmul_s"] + (res["shapes"]["Tg"] - 1) * r["decode_matmul_s"]
     return r["matmul_s"]
 
@@ -326,7 +330,7 @@ def print_rows(res: dict, mesh: dict, hbm: float) -> bool:
         )
         unknown = r.get("unknown_loops", 0) + sum(
             c.get("in_unknown_loop", 0) for c in r["collectives"].values()
-        ) * (prog != "rollout")
+        ) * (prog not in DECODING)
         if r.get("measured_s"):
             model = program_seconds(res, prog)
             print(f"|   | {prog}: run here {r['measured_s'] * 1e3:.4g} ms against its roofline "

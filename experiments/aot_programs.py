@@ -23,7 +23,8 @@ from unittest import mock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GiB = 2**30
-PROGRAMS = ("update", "old", "rollout")
+PROGRAMS = ("update", "old", "rollout", "eval")
+DECODING = {"rollout": "chunk_rows", "eval": "eval_rows"}  # programs that decode: their rows
 
 
 def settings_of(config: str, overrides: tuple[str, ...] = ()):
@@ -67,10 +68,16 @@ def shapes_of(s, model_cfg, devices: int, rows_per_device: int = 0) -> dict:
     G_first = curr.stages[0].group_size
     prompts = max(s.rollout.max_chunk_size // G_first, 1)  # a chunk's prompts, on every device
     chunk = math.ceil(prompts / devices) * devices * G_first
+    # The eval's larger sampler call (`evaluate._run_pass`): the sampled pass (eval.samples a
+    # prompt) or the greedy one (1)
+    e = s.eval
+    sampled = (min(e.batch_size // e.samples, e.sampled_prompts) * e.samples, e.samples)
+    eval_rows, eval_G = max(sampled, (min(e.batch_size, e.num_prompts), 1))
     return dict(
         T=T, Tp=s.max_prompt_length, Tg=curr.max_new_tokens, micro_rows=rows_per_device * devices,
         rows_per_device=rows_per_device, step_rows=num_rows, updates=num_rows // mini_rows,
-        epochs=s.train.ppo_epochs, G=G_first, chunk_rows=chunk,
+        epochs=s.train.ppo_epochs, G=G_first, chunk_rows=chunk, eval_rows=eval_rows,
+        eval_G=eval_G,
     )  # fmt: skip
 
 
@@ -203,12 +210,16 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
     budget = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
 
-    def rollout(dparams, prompts, mask, key, budget):
-        return sampler._sample_chunk(
-            model, dparams, prompts, mask, key, budget, None, num_samples=G, gen_len=shp["Tg"],
-            temperature=1.0, top_p=1.0, top_k=0, stop_ids=(model_cfg.vocab_size,), pad_id=0,
-            steps_per_check=1, trace_weights=False,
-        )  # fmt: skip  # an id no row samples: every decode step runs (the longest chunk)
+    def decode(model, G):
+        def chunk(dparams, prompts, mask, key, budget):
+            return sampler._sample_chunk(
+                model, dparams, prompts, mask, key, budget, None, num_samples=G,
+                gen_len=shp["Tg"], temperature=1.0, top_p=1.0, top_k=0,
+                stop_ids=(model_cfg.vocab_size,), pad_id=0, steps_per_check=1,
+                trace_weights=False,
+            )  # fmt: skip  # an id no row samples: every decode step runs (the longest chunk)
+
+        return chunk
 
     # The training state stays on the device while it decodes, or (rollout.offload_state) waits
     # in host memory, all but params the sampler reads as they are: copied out and back a step.
@@ -217,11 +228,34 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     if s.rollout.offload_state:
         kept = 0.0 if trainer.rollout_converts(s) else sizes["params"]
     out["rollout"] = (
-        jax.jit(rollout),
+        jax.jit(decode(model, G)),
         (dparams, prompts, mask, key, budget),
         dict(params=per_device_bytes(dparams), opt_state=0.0,
              inputs=per_device_bytes((prompts, mask, key, budget)), offloaded=state_b - kept),
         kept,
+    )  # fmt: skip
+
+    # The held-out eval (at the start, every eval.every_steps and the end; `trainer._evaluate`):
+    # the training model and params in the decode layout (a per-layer copy the sampler makes
+    # each call), its larger pass's call; the state resident (with rollout.offload_state the
+    # optimiser's moments wait in host memory).
+    tmodel = handle.Model(model_cfg)
+    eparams = jax.eval_shape(tmodel.decode_params, params)
+    if not for_flops:
+        with jax.set_mesh(mesh):
+            prep = jax.jit(tmodel.decode_params).trace(state.params).lower().compile()
+        eparams = place(eparams, prep.output_shardings)
+    EB = shp["eval_rows"] // shp["eval_G"]
+    ev_rows = rows if EB % sharding.batch_shards(mesh) == 0 else rep
+    ev_prompts = jax.ShapeDtypeStruct((EB, shp["Tp"]), jnp.int32, sharding=ev_rows)
+    ev_mask = jax.ShapeDtypeStruct((EB, shp["Tp"]), bool, sharding=ev_rows)
+    moved = sizes["opt_state"] if s.rollout.offload_state else 0.0
+    out["eval"] = (
+        jax.jit(decode(tmodel, shp["eval_G"])),
+        (eparams, ev_prompts, ev_mask, key, budget),
+        dict(params=per_device_bytes(eparams), opt_state=0.0,
+             inputs=per_device_bytes((ev_prompts, ev_mask, key, budget)), offloaded=moved),
+        state_b - moved,
     )  # fmt: skip
     return out
 
@@ -367,7 +401,7 @@ def measure(point: dict) -> dict:
             total=args_b + temp_b + out_b - alias_b + resident,
         )  # fmt: skip
         # The rollout's one loop of unknown trip count is its decode loop: Tg steps.
-        trips = shp["Tg"] if name == "rollout" else 1
+        trips = shp["Tg"] if name in DECODING else 1
         text = compiled.as_text() if compiled else ""
         row["collectives"] = roofline.hlo_collectives(text, unknown_trip=trips) if text else {}
         ffn, fargs, *_ = flop_progs[name]
@@ -387,7 +421,7 @@ def measure(point: dict) -> dict:
         row["matmul_s"] = roofline.roofline_seconds(dots, chip, devices=len(devices))
         row["opaque"] = sum(1 for d in dots if "opaque" in d.where)
         row["unknown_loops"] = sum(1 for d in dots if d.where.count(roofline.UNKNOWN_WHILE))
-        if name == "rollout":  # the decode loop's body: one decode step
+        if name in DECODING:  # the decode loop's body: one decode step
             step = roofline.jaxpr_dots(_decode_loop(jaxpr))
             row["decode_flops"] = roofline.total_flops(step)
             row["decode_matmul_s"] = roofline.roofline_seconds(step, chip, devices=len(devices))

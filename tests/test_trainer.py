@@ -223,18 +223,21 @@ def test_resume_equals_uninterrupted_with_the_state_in_host_memory_during_rollou
     The resumed step runs with rollout.offload_state, which changes where the training state
     is while the rollout generates, never a value: in host memory then, all of it (params and
     Adam's two moments: 3x the params' bytes), and the device holds less than the params; the
-    sampler's FP8 weights are freed before the update."""
-    seen = []
-    generate = rollout.generate_and_score
+    sampler's FP8 weights are freed before the update. While the held-out eval decodes (the
+    last step's), Adam's moments are in host memory and the params on the device."""
+    seen, evaluating = [], []
+    generate, evaluate = rollout.generate_and_score, trainer.evaluate.evaluate
 
-    def spy(*args, **kwargs):
+    def bytes_by_memory() -> dict:
         by_kind = {}
         for a in jax.live_arrays():
             by_kind[a.sharding.memory_kind] = by_kind.get(a.sharding.memory_kind, 0) + a.nbytes
-        seen.append(by_kind)
-        return generate(*args, **kwargs)
+        return by_kind
 
+    spy = lambda *a, **k: seen.append(bytes_by_memory()) or generate(*a, **k)  # noqa: E731
     monkeypatch.setattr(rollout, "generate_and_score", spy)
+    spy_eval = lambda *a, **k: evaluating.append(bytes_by_memory()) or evaluate(*a, **k)  # noqa: E731
+    monkeypatch.setattr(trainer.evaluate, "evaluate", spy_eval)
     updating = []  # the dtypes on the device while the update runs: the FP8 weights are gone
     minibatches = batching.minibatches
 
@@ -250,6 +253,11 @@ def test_resume_equals_uninterrupted_with_the_state_in_host_memory_during_rollou
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
     assert seen and all(s.get("pinned_host", 0) > 3 * param_bytes for s in seen), seen
     assert all(s["device"] < param_bytes for s in seen), (seen, param_bytes)
+    assert evaluating and all(
+        2 * param_bytes < e.get("pinned_host", 0) < 3 * param_bytes < e["device"] + e["pinned_host"]
+        and e["device"] > param_bytes
+        for e in evaluating
+    ), (evaluating, param_bytes)
 
 
 # Resample with carry-over; oversampling x16, at temperature 1 (more groups with a wrong sample

@@ -49,6 +49,7 @@ def test_config_presets_build_the_real_shapes():
     assert cfg8 == cfg and aot_programs.shapes_of(s8, cfg8, devices=8)["chunk_rows"] == 128
     assert s8.rollout.offload_state and not s.rollout.offload_state
     assert dataclasses.replace(s8.rollout, max_chunk_size=256, offload_state=False) == s.rollout
+    assert aot_programs.shapes_of(s8, cfg8, devices=8)["eval_rows"] == 64  # 16 prompts x 4
     s, cfg = aot_programs.settings_of("configs/qwen3_moe.py:235b_a22b")
     assert cfg.num_layers == 94 and aot_programs.shapes_of(s, cfg, devices=64)["T"] == 8192
 
@@ -112,6 +113,10 @@ def test_breakdown_adds_up_to_xla(two_devices):
     assert up["flops"] > 3 * old["flops"] * 0.9  # forward + backward (+ remat) vs a forward
     assert roll["resident"] == pytest.approx(up["params"] + up["opt_state"])
     assert roll["params"] < up["params"] / 2  # FP8 weights (f32 training params)
+    # The eval decodes from a per-layer copy of the training params, the state resident.
+    ev = res["programs"]["eval"]
+    assert ev["params"] == pytest.approx(up["params"], rel=0.02)
+    assert ev["resident"] == pytest.approx(up["params"] + up["opt_state"])
     assert "projection" in two_devices and two_devices["projection"]["tokens_per_s_per_chip"] > 0
 
 
@@ -145,6 +150,8 @@ def test_an_offloaded_state_is_not_resident_while_the_rollout_decodes(fp8):
     assert resident + sizes["offloaded"] == state["params"] + state["opt_state"]
     _, _, old, old_resident = progs["old"]  # back on the device for pi_old
     assert old["params"] + old_resident == state["params"] + state["opt_state"]
+    _, _, ev, ev_resident = progs["eval"]  # the eval reads the params: the moments wait
+    assert ev_resident == state["params"] and ev["offloaded"] == state["opt_state"]
 
 
 def test_a_config_that_cannot_fit_is_reported_as_such(two_devices):
@@ -152,7 +159,7 @@ def test_a_config_that_cannot_fit_is_reported_as_such(two_devices):
     total = max(r["total"] for r in res["programs"].values())
     assert all(aot.fits(res, hbm=total).values())
     smaller = aot.fits(res, hbm=total - 1)
-    assert not all(smaller.values()) and set(smaller) == {"update", "old", "rollout"}
+    assert not all(smaller.values()) and set(smaller) == {"update", "old", "rollout", "eval"}
     refused = dict(res, programs={"update": dict(res["programs"]["update"], refused="HBM")})
     assert aot.fits(refused, hbm=total) == {"update": False}  # the TPU compiler said no
     assert aot.fits({"error": "timeout"}, hbm=total) == {}
