@@ -210,7 +210,7 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
     budget = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
 
-    def decode(model, G):
+    def decode(model, G, name: str):
         def chunk(dparams, prompts, mask, key, budget):
             return sampler._sample_chunk(
                 model, dparams, prompts, mask, key, budget, None, num_samples=G,
@@ -219,6 +219,7 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
                 trace_weights=False,
             )  # fmt: skip  # an id no row samples: every decode step runs (the longest chunk)
 
+        chunk.__name__ = chunk.__qualname__ = name  # its HLO module: jit_<name> (the TPU dump)
         return chunk
 
     # The training state stays on the device while it decodes, or (rollout.offload_state) waits
@@ -228,7 +229,7 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     if s.rollout.offload_state:
         kept = 0.0 if trainer.rollout_converts(s) else sizes["params"]
     out["rollout"] = (
-        jax.jit(decode(model, G)),
+        jax.jit(decode(model, G, "rollout")),
         (dparams, prompts, mask, key, budget),
         dict(params=per_device_bytes(dparams), opt_state=0.0,
              inputs=per_device_bytes((prompts, mask, key, budget)), offloaded=state_b - kept),
@@ -251,7 +252,7 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     ev_mask = jax.ShapeDtypeStruct((EB, shp["Tp"]), bool, sharding=ev_rows)
     moved = sizes["opt_state"] if s.rollout.offload_state else 0.0
     out["eval"] = (
-        jax.jit(decode(tmodel, shp["eval_G"])),
+        jax.jit(decode(tmodel, shp["eval_G"], "eval")),
         (eparams, ev_prompts, ev_mask, key, budget),
         dict(params=per_device_bytes(eparams), opt_state=0.0,
              inputs=per_device_bytes((ev_prompts, ev_mask, key, budget)), offloaded=moved),

@@ -166,8 +166,10 @@ def allocation_sizes(dump_dir: str, module: str = "jit_loss") -> dict:
     files = sorted(
         pathlib.Path(dump_dir).glob(f"*{module}*after_optimizations-buffer-assignment.txt")
     )
+    if not files:  # not zeros: a program measured as empty would "fit"
+        raise FileNotFoundError(f"no buffer assignment of module {module!r} in {dump_dir}")
     sizes = dict(temp_gib=0.0, args_gib=0.0, out_gib=0.0)
-    for line in files[-1].read_text().splitlines() if files else ():
+    for line in files[-1].read_text().splitlines():
         if m := re.match(r"allocation \d+: size (\d+), (.*)$", line):
             size, kind = int(m.group(1)) / GiB, m.group(2)
             key = (

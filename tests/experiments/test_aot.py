@@ -152,6 +152,11 @@ def test_an_offloaded_state_is_not_resident_while_the_rollout_decodes(fp8):
     assert old["params"] + old_resident == state["params"] + state["opt_state"]
     _, _, ev, ev_resident = progs["eval"]  # the eval reads the params: the moments wait
     assert ev_resident == state["params"] and ev["offloaded"] == state["opt_state"]
+    # Each program lowers to the HLO module its name gives (a TPU's sizes are read off the
+    # compiler's dump of module jit_<name>: another name reads as nothing there).
+    for name, (fn, args, *_) in progs.items():
+        with jax.set_mesh(mesh):
+            assert f"module @jit_{name} " in fn.trace(*args).lower().as_text(), name
 
 
 def test_a_config_that_cannot_fit_is_reported_as_such(two_devices):

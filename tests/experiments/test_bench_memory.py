@@ -42,6 +42,8 @@ def test_allocation_sizes_split_temporaries_arguments_and_outputs(dump):
     got = bench_memory.allocation_sizes(dump)
     GiB = bench_memory.GiB
     assert got == dict(temp_gib=(3072 + 64) / GiB, args_gib=8192 / GiB, out_gib=4096 / GiB)
+    with pytest.raises(FileNotFoundError):  # another module's name: not an empty program
+        bench_memory.allocation_sizes(dump, module="jit_eval")
 
 
 def test_largest_temporaries_read_tiled_layouts(dump):
