@@ -289,14 +289,14 @@ def test_trimmed_batch_makes_the_same_update():
     """`batching.trim` drops the columns every row pads, to buckets (prompts <= 3 tokens of a
     16-wide prompt slot: bucket 8; completions <= 5 of 16: bucket 8), and the update is the one
     of the full-width batch: positions count real tokens, the trace moves with its tokens."""
-    from espo import trainer
+    from espo import generation
 
     rng = np.random.default_rng(3)
     lengths = (rng.integers(1, 4, N), rng.integers(1, 6, N))
     batch, params = testing.random_train_batch(
         CFG, num_rows=N, prompt_length=16, generation_length=16, lengths=lengths
     )
-    trimmed = batching.trim(batch, prompt_length=16, buckets=trainer._buckets(16, 16))
+    trimmed = batching.trim(batch, prompt_length=16, buckets=generation.buckets(16, 16))
     assert trimmed.tokens.shape == (N, 16) and trimmed.router.expert_ids.shape[2] == 16
     assert trimmed.attention_mask.sum() == batch.attention_mask.sum()
     assert trimmed.loss_mask.sum() == batch.loss_mask.sum()
@@ -306,4 +306,4 @@ def test_trimmed_batch_makes_the_same_update():
     chex.assert_trees_all_close(full.params, short.params, atol=1e-6, rtol=1e-5)
     np.testing.assert_allclose(m_full["loss/loss"], m_short["loss/loss"], rtol=1e-5)
     # Nothing left to drop: the same batch back.
-    assert batching.trim(trimmed, prompt_length=8, buckets=trainer._buckets(8, 8)) is trimmed
+    assert batching.trim(trimmed, prompt_length=8, buckets=generation.buckets(8, 8)) is trimmed
