@@ -24,9 +24,9 @@ tokens; a micro-batch gives each device `--rows-per-device` rows of T (default: 
 row of train.max_tokens_per_micro_batch tokens, `// T` rows of it, with train.packing; else
 train.micro_batch_size over the devices). A packed micro-batch is compiled as padded rows of
 the same tokens. The training state is resident during every program: the rollout and pi_old
-rows count the params and optimiser state they do not take as arguments ("resident"), except
-the rollout's with rollout.offload_state (the state waits in host memory: its copy out and back
-over the chip's host link is added to the step).
+rows count the params and optimiser state they do not take as arguments ("resident"), less
+what rollout.offload_state parks in host memory: the whole state during the rollout (its copy
+out and back over the chip's host link is added to the step), Adam's moments during the eval.
 
 Per device, per program: params, optimiser state, other inputs (batch / prompts), temporaries,
 outputs not aliased to an input, resident state, their total against the chip's HBM. On a TPU

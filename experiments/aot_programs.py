@@ -195,18 +195,27 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     model = handle.Model(trainer.sampler_model_config(s, model_cfg))
     for_rollout = trainer._rollout_params(s, mesh, params, dtype=model.cfg.dtype)
 
-    def to_decode(p):
-        return model.decode_params(for_rollout(p))
-
-    dparams = jax.eval_shape(to_decode, params)
-    if not for_flops:  # placed as the compiler places them (a short compile)
+    def decode_layout(to_decode):
+        """The weights `to_decode(params)` gives a sampler, placed as the compiler places them
+        (a short compile; unplaced when only counting FLOPs)."""
+        shapes = jax.eval_shape(to_decode, params)
+        if for_flops:
+            return shapes
         with jax.set_mesh(mesh):
             prep = jax.jit(to_decode).trace(state.params).lower().compile()
-        dparams = place(dparams, prep.output_shardings)
-    G, B = shp["G"], shp["chunk_rows"] // shp["G"]
-    prompts = jax.ShapeDtypeStruct((B, shp["Tp"]), jnp.int32, sharding=rows)
-    mask = jax.ShapeDtypeStruct((B, shp["Tp"]), bool, sharding=rows)
+        return place(shapes, prep.output_shardings)
+
     rep = sharding.replicated(mesh)
+
+    def prompt_structs(B: int):
+        """[B, Tp] prompts and their mask, rows over the batch axes where they divide."""
+        where = rows if B % sharding.batch_shards(mesh) == 0 else rep
+        return tuple(jax.ShapeDtypeStruct((B, shp["Tp"]), dt, sharding=where)
+                     for dt in (jnp.int32, bool))  # fmt: skip
+
+    dparams = decode_layout(lambda p: model.decode_params(for_rollout(p)))
+    G = shp["G"]
+    prompts, mask = prompt_structs(shp["chunk_rows"] // G)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
     budget = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
 
@@ -241,15 +250,8 @@ def programs(s, model_cfg, mesh, shp: dict, *, for_flops: bool = False) -> dict:
     # each call), its larger pass's call; the state resident (with rollout.offload_state the
     # optimiser's moments wait in host memory).
     tmodel = handle.Model(model_cfg)
-    eparams = jax.eval_shape(tmodel.decode_params, params)
-    if not for_flops:
-        with jax.set_mesh(mesh):
-            prep = jax.jit(tmodel.decode_params).trace(state.params).lower().compile()
-        eparams = place(eparams, prep.output_shardings)
-    EB = shp["eval_rows"] // shp["eval_G"]
-    ev_rows = rows if EB % sharding.batch_shards(mesh) == 0 else rep
-    ev_prompts = jax.ShapeDtypeStruct((EB, shp["Tp"]), jnp.int32, sharding=ev_rows)
-    ev_mask = jax.ShapeDtypeStruct((EB, shp["Tp"]), bool, sharding=ev_rows)
+    eparams = decode_layout(tmodel.decode_params)
+    ev_prompts, ev_mask = prompt_structs(shp["eval_rows"] // shp["eval_G"])
     moved = sizes["opt_state"] if s.rollout.offload_state else 0.0
     out["eval"] = (
         jax.jit(decode(tmodel, shp["eval_G"], "eval")),
