@@ -86,8 +86,8 @@ def pytest_make_collect_report(collector):
 
 @pytest.fixture(autouse=True)
 def _plots_without_pixels(request, monkeypatch):
-    """The trainer ends every run with `plots.plot_run`: ~100 matplotlib panels, a
-    quarter of a tiny run, in the ~50 runs of the suite, of which only tests/test_trainer.py's `straight`
+    """The trainer ends every run with `plots.plot_run`: ~100 matplotlib panels, a quarter
+    of a tiny run, in the ~50 runs of the suite, of which only tests/test_trainer.py's `straight`
     run (module-scoped, so set up before this patch) looks at the pictures. Here `_draw` reads
     each panel's series and writes an empty file: which panels and files a run's metrics make
     (`layout`, `collect_series`) is still computed for every run; the pixels are tested in
