@@ -115,8 +115,9 @@ def nll(model: config_lib.ModelConfig, params: dict, batch: dict) -> jax.Array:
     return loss + tl.aux.total
 
 
-@functools.partial(jax.jit, static_argnames=("model", "optimizer"), donate_argnums=(1, 2))
 def sft_step(model, params, opt_state, batch, *, optimizer: optax.GradientTransformation):
+    """One optimiser step on `nll`: (params, opt_state, loss). Not jitted here: the trainer
+    jits it with the run's shardings in and out (`trainer._warm_start`)."""
     loss, grads = jax.value_and_grad(functools.partial(nll, model))(params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss

@@ -472,7 +472,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
         if s.sft.steps and not (s.hf_path or s.init_from):
             params = _warm_start(
                 s, model_cfg, params, train_src, tok, encode, Tp, curr, progress=progress,
-                reward_fn=reward_fn,
+                reward_fn=reward_fn, mesh=mesh,
             )  # fmt: skip
         state = jax.jit(make_state, out_shardings=state_sharding)(params)  # created sharded
         host.start_eval, state = evaluate_now(state)
@@ -634,15 +634,34 @@ def verified(s: config_lib.Settings, reward_fn):
 
 
 def _warm_start(
-    s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progress: bool, reward_fn=None
-):
+    s, model_cfg, params, train_src, tok, encode, Tp, curr, *, progress: bool, mesh,
+    reward_fn=None,
+):  # fmt: skip
     """`sft.steps` of token NLL on demonstrations drawn from every level (its own stream); with
-    `sft.verified_only`, only those `reward_fn` accepts (`verified`)."""
+    `sft.verified_only`, only those `reward_fn` accepts (`verified`). The params and Adam's
+    moments are placed by the run's rules (`sharding.state_shardings`) and every step returns
+    them there: the step compiles once (params left where the init put them, replicated, came
+    back from the first step expert-sharded: a second compile), and no device holds more of the
+    model than in the RL steps."""
     stream = stream_lib.PromptStream(train_src, seed=s.seed + 1)
     opt, _ = train_step.make_optimizer(
         learning_rate=s.sft.learning_rate, total_steps=s.sft.steps, warmup_steps=s.sft.warmup_steps
     )
-    opt_state = opt.init(params)
+    abstract = jax.eval_shape(
+        lambda p: train_step.TrainState(
+            step=jnp.zeros((), jnp.int32), params=p, opt_state=opt.init(p)
+        ),
+        params,
+    )
+    where = sharding.state_shardings(mesh, opt, abstract)
+    params, opt_state = jax.jit(
+        lambda p: (p, opt.init(p)), out_shardings=(where.params, where.opt_state)
+    )(params)
+    step = jax.jit(
+        functools.partial(sft.sft_step, model_cfg, optimizer=opt),
+        donate_argnums=(0, 1),
+        out_shardings=(where.params, where.opt_state, sharding.replicated(mesh)),
+    )
     width = curr.max_new_tokens
     target = lambda e: tok.encode_completion(e.demonstration or e.answer)
     accepted = verified(s, reward_fn or reward_fn_of(s)) or (lambda e: True)
@@ -664,7 +683,7 @@ def _warm_start(
         )  # fmt: skip
         if s.sft.packing:
             batch = sft.packed_batch(batch)
-        params, opt_state, loss = sft.sft_step(model_cfg, params, opt_state, batch, optimizer=opt)
+        params, opt_state, loss = step(params, opt_state, batch)
         bar.update(1)
         bar.set_postfix(nll=f"{float(loss):.3f}")
     bar.close()

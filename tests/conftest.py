@@ -96,19 +96,13 @@ def _plots_without_pixels(request, monkeypatch):
     run (module-scoped, so set up before this patch) looks at the pictures. Here `_draw` reads
     each panel's series and writes an empty file: which panels and files a run's metrics make
     (`layout`, `collect_series`) is still computed for every run; the pixels are tested in
-    tests/test_plots.py (unpatched) and on the `straight` run. Subprocesses are not patched."""
+    tests/test_plots.py (unpatched) and on the `straight` run. Subprocesses are not patched
+    (those that read no picture run `tests/run_without_pixels.py`, which patches the same)."""
     if request.node.get_closest_marker("draws_plots") or request.path.name == "test_plots.py":
         return
-    from espo import plots
+    from espo import plots, testing
 
-    def draw(path, title, axes_spec, series):
-        for _, keys in axes_spec:
-            for key in keys:
-                steps, values = series[key]
-                assert len(steps) == len(values), key
-        path.write_bytes(b"")
-
-    monkeypatch.setattr(plots, "_draw", draw)
+    monkeypatch.setattr(plots, "_draw", testing.draw_without_pixels)
 
 
 @pytest.fixture

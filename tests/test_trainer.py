@@ -9,6 +9,7 @@ that differs. Timings and compile counts are the only metrics left out of the co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import shutil
@@ -43,6 +44,8 @@ from espo.testing import raises_invalid
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = [sys.executable, str(ROOT / "experiments" / "run.py")]
+# The same command, its end-of-run plots laid out but not drawn (no test of it reads a picture).
+RUN_WITHOUT_PIXELS = [sys.executable, str(ROOT / "tests" / "run_without_pixels.py")]
 
 
 def _config(file: str = "default", **overrides):
@@ -86,10 +89,35 @@ def _resume_from_step_2(straight_workdir, workdir, **overrides) -> None:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The reference: 3 uninterrupted steps of the default tiny config."""
+def straight_run(tmp_path_factory) -> types.SimpleNamespace:
+    """The reference: 3 uninterrupted steps of the default tiny config (workdir, summary); what
+    its warm start was given and made: the completions (what `sft.demonstration_batch` was
+    given), the batches, and the params before and after (host copies)."""
     workdir = tmp_path_factory.mktemp("straight")
-    return workdir, _train_3_steps(workdir)
+    seen = types.SimpleNamespace(sft_targets=[], sft_batches=[], warm=[])
+    batch_fn, warm_start = trainer.sft.demonstration_batch, trainer._warm_start
+
+    def spy(prompts, completions, **kw):
+        seen.sft_targets.extend(completions)
+        seen.sft_batches.append(batch_fn(prompts, completions, **kw))
+        return seen.sft_batches[-1]
+
+    def warm_spy(s, model_cfg, params, *args, **kw):
+        before = jax.device_get(params)
+        after = warm_start(s, model_cfg, params, *args, **kw)
+        seen.warm = [model_cfg, before, jax.device_get(after)]
+        return after
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer.sft, "demonstration_batch", spy)
+        patch.setattr(trainer, "_warm_start", warm_spy)
+        summary = _train_3_steps(workdir)
+    return types.SimpleNamespace(workdir=workdir, summary=summary, **vars(seen))
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run):
+    return straight_run.workdir, straight_run.summary
 
 
 @pytest.mark.slow
@@ -175,27 +203,26 @@ def test_init_from_starts_from_another_runs_params(straight, tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_warm_start_trains_on_the_worked_solutions(tmp_path, monkeypatch):
+def test_warm_start_trains_on_the_worked_solutions(straight_run, tmp_path):
     """The SFT targets are the demonstrations (steps, then the answer line), not the bare
     answers; a budget no demonstration fits is an error naming both limits. The held-out eval of
-    the chains task reports the process check and the majority vote."""
-    seen = []
-    batch_fn = trainer.sft.demonstration_batch
-
-    def spy(prompts, completions, **kw):
-        seen.extend(completions)
-        return batch_fn(prompts, completions, **kw)
-
-    monkeypatch.setattr(trainer.sft, "demonstration_batch", spy)
-    cfg = _config(train__steps=1)  # the chains task: the flawed teacher's demonstrations
+    the chains task reports the process check and the majority vote. (The run is `straight`'s,
+    whose warm start recorded its targets.)"""
+    seen = straight_run.sft_targets
+    cfg = _config(train__steps=3)  # the chains task: the flawed teacher's demonstrations
     train_src, _ = sources.make_sources(config_lib.Settings.from_config(cfg).data)
     demonstrations = {e.demonstration for e in train_src}
-    trainer.train(cfg, str(tmp_path / "run"), progress=False)
     tok = tokenizer.CharTokenizer()
     texts = {tok.decode(c) for c in seen}
     assert len(seen) == cfg.sft.steps * cfg.sft.batch_size
     assert texts <= demonstrations and all("=" in t and "\n" in t for t in texts)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # The warm start's params are its steps' (a loop that dropped them, or stepped uphill,
+    # would hand the RL steps the init): its own batches' NLL went down.
+    model_cfg, before, after = straight_run.warm
+    nll = jax.jit(functools.partial(trainer.sft.nll, model_cfg))
+    losses = [[float(nll(p, b)) for b in straight_run.sft_batches] for p in (before, after)]
+    assert np.mean(losses[1]) < np.mean(losses[0]) - 0.01, losses
+    summary = json.loads((straight_run.workdir / "summary.json").read_text())
     for key in ("eval/process_fidelity", "eval/right_answer_wrong_process", "eval/maj@2"):
         assert 0.0 <= summary["final"][key] <= 1.0, key
     cfg.curriculum.stages[1].max_new_tokens = cfg.curriculum.stages[0].max_new_tokens = 2
@@ -295,8 +322,8 @@ def test_sigkill_mid_step_then_rerun_equals_uninterrupted(straight, tmp_path):
     workdir = tmp_path / "killed"
     shutil.copytree(straight[0], workdir)
     shutil.rmtree(workdir / "checkpoints" / "3")
-    cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(workdir),
-                 "--config.train.steps=3"]  # fmt: skip
+    cmd = RUN_WITHOUT_PIXELS + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir",
+                                str(workdir), "--config.train.steps=3"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     # The resumed process truncates metrics.jsonl to step 2, then works on step 3: kill it then.
     deadline = time.time() + 300
@@ -332,7 +359,8 @@ def test_two_processes_with_expert_parallelism_equal_one_process(straight, tmp_p
     flags = ["--config.train.steps=3", "--config.mesh.data=2", "--config.mesh.expert=4",
              f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
              "--config.distributed.num_processes=2"]  # fmt: skip
-    cmd = RUN + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir", str(workdir), *flags]
+    cmd = RUN_WITHOUT_PIXELS + ["--config", f"{ROOT}/configs/default.py:tiny", "--workdir",
+                                str(workdir), *flags]  # fmt: skip
     env = testing.emulated_devices_env(4)
     procs = [
         subprocess.Popen(cmd + [f"--config.distributed.process_id={i}"], env=env, text=True,
