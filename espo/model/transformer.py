@@ -241,10 +241,16 @@ def head_weight(cfg: config_lib.ModelConfig, params: dict) -> Float[Array, "D V"
 
 def init(cfg: config_lib.ModelConfig, key: jax.Array) -> dict:
     """Random parameters (a plain nested dict) for `cfg`."""
-    model = Transformer(cfg)
+    return _init(cfg, key)
+
+
+# One jit for every config (static): a process traces the Flax init of a config once, however
+# many runs, `param_shapes` calls (checkpoint loading, sharding rules) or evaluations ask for it.
+@functools.partial(jax.jit, static_argnums=0)
+def _init(cfg: config_lib.ModelConfig, key: jax.Array) -> dict:
     tokens = jnp.zeros((1, 1), jnp.int32)
     ctx = _context(cfg, tokens, positions=None, attention_mask=None, cache=None, segment_ids=None)
-    return jax.jit(lambda k: model.init(k, tokens, ctx=ctx, kv=None, routing=None)["params"])(key)
+    return Transformer(cfg).init(key, tokens, ctx=ctx, kv=None, routing=None)["params"]
 
 
 def param_shapes(cfg: config_lib.ModelConfig) -> dict:
