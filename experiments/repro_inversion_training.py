@@ -57,8 +57,11 @@ LABEL_NOISE = 0.2  # share of the models' training labels corrupted
 # training pairs, 600 steps each): BT RM test pair accuracy 0.864 (best validation at step
 # 100), dead zone 0.089 with tie accuracy 0.973; judge pair accuracy 0.748, tie accuracy 0.984.
 PROMPTS = {"quick": (32, 32), "default": (3072, 768)}
-STEPS = {"quick": 2, "default": 1500}  # optimiser steps of the RM at most
-JUDGE_STEPS = {"quick": 2, "default": 600}  # of the judge (~3 s a step on 2 cores)
+# Optimiser steps at most of the RM and of the judge (a judge step: ~3 s on 2 cores). --quick: one;
+# a second compiles the update again (the new head and the optimiser state are committed to the
+# device by the first), and one step already runs a fit and its validation end to end.
+STEPS = {"quick": 1, "default": 1500}
+JUDGE_STEPS = {"quick": 1, "default": 600}
 EVAL_EVERY = 50  # the BT RM overfits its noisy labels fast (pilot: best at step 100)
 PATIENCE = 300  # steps without a better validation score that stop a fit
 LR, BATCH = 1e-4, 32
