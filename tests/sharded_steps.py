@@ -65,7 +65,9 @@ def run(params, batch, mesh=None):
         batch = sharding.put_batch(batch, mesh)
         mini = sharding.put_batch(mini, mesh, leading=1)
     fwd = jax.jit(model_lib.forward, static_argnums=0, static_argnames="routing_mode")
-    free = fwd(CFG, params, batch.tokens, attention_mask=batch.attention_mask)
+    # Traced once: its jaxpr is also what `main` searches for the expert-parallel exchange.
+    traced = fwd.trace(CFG, params, batch.tokens, attention_mask=batch.attention_mask)
+    free = traced.lower().compile()(params, batch.tokens, attention_mask=batch.attention_mask)
     replay = fwd(
         CFG, params, batch.tokens, attention_mask=batch.attention_mask, routing=batch.router,
         routing_mode=model_lib.RoutingMode.REPLAY_IDS,
@@ -88,13 +90,15 @@ def run(params, batch, mesh=None):
     # The rollout's own layouts (rollout.param_layout): experts over "expert" ("experts") or
     # over every axis ("experts_all", the model's expert_axes with them), the rest
     # replicated; each decodes the same rows.
+    # One device has no layout: every layout's reference is the sampler above (a second
+    # compile with other expert_axes would only decode the same rows again).
     in_layout = {}
     for layout, axes in sharding.EXPERT_AXES.items():
-        laid = params
+        got = sampled
         if mesh is not None:
             rules = sharding.rollout_rules(layout)
             laid = jax.device_put(params, sharding.param_shardings(mesh, params, rules))
-        got = sample(laid, dataclasses.replace(CFG, expert_axes=axes))
+            got = sample(laid, dataclasses.replace(CFG, expert_axes=axes))
         in_layout[layout] = (got.tokens, got.logps, got.router.expert_ids)
     out = dict(
         sampled=(sampled.tokens, sampled.logps, sampled.entropies, sampled.router.expert_ids),
@@ -107,7 +111,7 @@ def run(params, batch, mesh=None):
         loss=metrics["loss/loss"],
         grad_norm=metrics["optim/grad_norm"],
     )
-    return out, params
+    return out, params, traced.jaxpr
 
 
 def check_expert_parallel_paths(mesh, axes=("expert",)) -> None:
@@ -123,9 +127,7 @@ def check_expert_parallel_paths(mesh, axes=("expert",)) -> None:
     inputs to bf16's precision. Over more axes than "expert", the float32 cases only."""
     from espo.model import moe
 
-    E, D, F, K = 8, 6, 12, 2  # D = 6: no other dimension (8 tokens a shard, 12, 36, 64)
-    k = jax.random.split(jax.random.key(11), 6)
-    w = [jax.random.normal(k[i], s) / 3 for i, s in enumerate([(E, D, F), (E, D, F), (E, F, D)])]
+    E, K = _EXPERTS, _TOP_K
     f32, bf16 = jnp.float32, jnp.bfloat16
     a2a, gather, auto = "all_to_all", "all_gather", "auto"
     cases = [  # (tokens, mode, send capacity, path taken: [all_to_all, all_gather], dtype, impl)
@@ -139,17 +141,13 @@ def check_expert_parallel_paths(mesh, axes=("expert",)) -> None:
         cases = [c for c in cases if c[4] == f32]  # overflow; the path is then all_gather
         cases[1] = (64, a2a, None, "by capacity", f32, auto)
     for M, mode, cap, path, dtype, impl in cases:
-        x = jax.random.normal(k[3], (M, D)).astype(dtype)
-        ids = jax.random.randint(k[4], (M, K), -1, E)  # -1: unrecorded, contributes nothing
-        gate = jax.nn.softmax(jax.random.normal(k[5], (M, K))).astype(dtype)
+        (x, ids, gate, wd), (want, dwant) = _moe_case(M, dtype)
         if isinstance(cap, str):  # the most any shard sends one destination: fits exactly
             cap = _most_sent(ids, mesh, E=E, axes=axes) - (cap == "full - 1")
         if path == "by capacity":  # all_to_all where the default send capacity holds
             n = math.prod(mesh.shape[a] for a in axes)
             default = moe.capacity_for(M // sharding.batch_shards(mesh) * K, n)
             path = [1, 0] if _most_sent(ids, mesh, E=E, axes=axes) <= default else [0, 1]
-        wd = [a.astype(dtype) for a in w]
-        ref = functools.partial(_with_no_path, functools.partial(moe.moe_reference, ids=ids))
         ep = functools.partial(
             moe.expert_parallel_dispatch,
             ids=ids,
@@ -158,14 +156,13 @@ def check_expert_parallel_paths(mesh, axes=("expert",)) -> None:
             impl=impl,
             axes=axes,
         )
-        (want, _), dwant = _value_and_grad(
-            ref, *jax.tree.map(lambda a: a.astype(f32), (x, gate, wd))
-        )
         with jax.set_mesh(mesh):
             placed = jax.device_put(wd, jax.sharding.NamedSharding(mesh, P(axes)))
             with warnings.catch_warnings():  # a float32 update scattered into bf16 (an error
                 warnings.simplefilter("error", FutureWarning)  # in later JAX) fails here
-                (y, taken), dgot = jax.jit(functools.partial(_value_and_grad, ep))(x, gate, placed)
+                # Traced once: the program run is the one whose equations are checked below.
+                traced = jax.jit(functools.partial(_value_and_grad, ep)).trace(x, gate, placed)
+                (y, taken), dgot = traced.lower().compile()(x, gate, placed)
         what = f"expert-parallel {mode} M={M} send capacity {cap} {jnp.dtype(dtype).name} {impl}"
         what += f" over {axes}"
         got, expected = jax.tree.leaves((y, dgot)), jax.tree.leaves((want, dwant))
@@ -178,13 +175,35 @@ def check_expert_parallel_paths(mesh, axes=("expert",)) -> None:
             np.asarray(taken), np.array(path, np.int32), err_msg=what, strict=True
         )
         if cap is None and dtype == f32:
-            with jax.set_mesh(mesh):
-                jaxpr = jax.make_jaxpr(functools.partial(_value_and_grad, ep))(x, gate, placed)
-            eqns = [eqn for eqn, _ in testing.jaxpr_equations(jaxpr.jaxpr)]
+            eqns = [eqn for eqn, _ in testing.jaxpr_equations(traced.jaxpr.jaxpr)]
             if impl == "ragged":  # the impl asked for runs on every device
                 assert any(e.primitive.name.startswith("ragged_dot") for e in eqns), what
             else:
-                _check_buffer_sizes(eqns, mesh, M=M, E=E, K=K, F=F, axes=axes)
+                _check_buffer_sizes(eqns, mesh, M=M, E=E, K=K, F=_FFN, axes=axes)
+
+
+# The expert-parallel cases' E, D, F, K; D = 6 is no other dimension (8 tokens a shard, 12, 36, 64).
+_EXPERTS, _WIDTH, _FFN, _TOP_K = 8, 6, 12, 2
+
+
+@functools.cache
+def _moe_case(M: int, dtype) -> tuple:
+    """((x, ids, gate, expert weights) of M tokens in `dtype`, the plain loop's (output,
+    gradient) on one device in float32 on those rounded inputs). Cached: the inputs depend on M
+    and the dtype only, so every case and mesh of the same ones share one reference."""
+    from espo.model import moe
+
+    E, D, F, K = _EXPERTS, _WIDTH, _FFN, _TOP_K
+    k = jax.random.split(jax.random.key(11), 6)
+    w = [jax.random.normal(k[i], s) / 3 for i, s in enumerate([(E, D, F), (E, D, F), (E, F, D)])]
+    x = jax.random.normal(k[3], (M, D)).astype(dtype)
+    ids = jax.random.randint(k[4], (M, K), -1, E)  # -1: unrecorded, contributes nothing
+    gate = jax.nn.softmax(jax.random.normal(k[5], (M, K))).astype(dtype)
+    wd = [a.astype(dtype) for a in w]
+    ref = functools.partial(_with_no_path, functools.partial(moe.moe_reference, ids=ids))
+    f32 = lambda a: a.astype(jnp.float32)
+    (want, _), dwant = _value_and_grad(ref, *jax.tree.map(f32, (x, gate, wd)))
+    return (x, ids, gate, wd), (want, dwant)
 
 
 def check_attention_kernels(mesh) -> None:
@@ -196,32 +215,36 @@ def check_attention_kernels(mesh) -> None:
 
     shards = sharding.batch_shards(mesh)
     N, G, Dh, T = 2, 2, 8, attention.KERNEL_BLOCK + 1  # one past a kernel block
+
+    def loss(q, kk, vv, pos, impl):
+        out = attention.attend(
+            q, kk, vv, q_positions=pos, kv_positions=pos, impl=impl, own_keys=True
+        )
+        real = (pos >= 0)[:, None, :, None].repeat(G, 2).reshape(len(q), 1, T * G, 1)
+        return jnp.sum(jnp.where(real, jnp.sin(out), 0.0)), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=4)
+    inputs, wants = {}, {}  # the dense reference is the same for both kernels: computed once
     for impl in ("triton", "splash"):
         for B, via in ((shards, impl), (shards // 2, "dense")):
-            k = jax.random.split(jax.random.key(5), 4)
-            q = jax.random.normal(k[0], (B, N, T * G, Dh))
-            kv = [jax.random.normal(k[i], (B, N, T, Dh)) for i in (1, 2)]
-            pos = jnp.broadcast_to(jnp.arange(T) - 3, (B, T))  # 3 padding slots on the left
-            pos = jnp.where(pos < 0, -1, pos)
-
-            def loss(q, kk, vv, pos, impl):
-                out = attention.attend(
-                    q, kk, vv, q_positions=pos, kv_positions=pos, impl=impl, own_keys=True
-                )
-                real = (pos >= 0)[:, None, :, None].repeat(G, 2).reshape(len(q), 1, T * G, 1)
-                return jnp.sum(jnp.where(real, jnp.sin(out), 0.0)), out
-
-            grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
-            with jax.default_device(jax.devices()[0]):
-                want = jax.jit(grad, static_argnums=4)(q, *kv, pos, via)
+            if B not in inputs:
+                k = jax.random.split(jax.random.key(5), 4)
+                q = jax.random.normal(k[0], (B, N, T * G, Dh))
+                kv = [jax.random.normal(k[i], (B, N, T, Dh)) for i in (1, 2)]
+                pos = jnp.broadcast_to(jnp.arange(T) - 3, (B, T))  # 3 padding slots on the left
+                inputs[B] = (q, *kv, jnp.where(pos < 0, -1, pos))
+            if (B, via) not in wants:
+                with jax.default_device(jax.devices()[0]):
+                    wants[B, via] = grad(*inputs[B], via)
+            want = wants[B, via]
             with jax.set_mesh(mesh):
-                placed = (q, *kv, pos)
+                placed = inputs[B]
                 if B % shards == 0:
                     placed = sharding.put_batch(placed, mesh)
-                got = jax.jit(grad, static_argnums=4)(*placed, impl)
-                jaxpr = str(jax.make_jaxpr(grad, static_argnums=4)(*placed, impl))
+                traced = grad.trace(*placed, impl)  # once: run, and its jaxpr checked
+                got = traced.lower().compile()(*placed)
             what = f"attention {impl} under mesh {dict(mesh.shape)}, {B} rows"
-            assert ("shard_map" in jaxpr) == (B % shards == 0), what
+            assert ("shard_map" in str(traced.jaxpr)) == (B % shards == 0), what
             (value, _), grads = got  # the outputs of padding queries differ: dense averages
             chex.assert_trees_all_close(
                 (value, grads), (want[0][0], want[1]), atol=2e-5, rtol=2e-5, custom_message=what
@@ -273,17 +296,15 @@ def main(meshes=MESHES) -> int:
         CFG, num_rows=N, prompt_length=TP, generation_length=TG, seed=3
     )
     with jax.default_device(jax.devices()[0]):
-        single, _ = run(params, batch)
+        single, _, _ = run(params, batch)
     single = jax.device_get(single)
     assert float(single["grad_norm"]) > 1e-3
     for data, fsdp, expert in meshes:
         mesh = sharding.make_mesh(data=data, fsdp=fsdp, expert=expert)
         with jax.set_mesh(mesh):  # the context mesh: MoE blocks split the experts over it
-            got, placed = run(params, batch, mesh)
-            jaxpr = str(
-                jax.make_jaxpr(functools.partial(model_lib.forward, CFG))(placed, batch.tokens)
-            )
+            got, placed, jaxpr = run(params, batch, mesh)
         # Real expert parallelism: a shard_map exchanging the tokens with an all-to-all.
+        jaxpr = str(jaxpr)
         assert ("shard_map" in jaxpr and "all_to_all" in jaxpr) == (expert > 1), mesh
         up = placed["blocks_1"]["moe"]["up_proj"]  # [L, E, D, F]
         local = up.addressable_shards[0].data.shape

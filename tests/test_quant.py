@@ -161,7 +161,9 @@ def test_scale_shapes_and_values_for_every_weight_kind(granularity):
     )  # fmt: skip
     params = model.init(cfg, jax.random.key(0))
     b = 16
-    qparams = quant.quantize_fp8(params, granularity=granularity, block_size=b)
+    # Jitted: op by op, the tree's ~150 small programs each compiled on its own.
+    quantize = functools.partial(quant.quantize_fp8, granularity=granularity, block_size=b)
+    qparams = jax.jit(quantize)(params)
     c = lambda n: -(-n // b)  # number of blocks
     D, HD, ND, E, F, Fd, Fs = 32, 48, 16, 3, 24, 40, 16
     # (layers in the run, [in, out] of the matrix, expert axis?) per leaf; scale shapes follow.
@@ -262,7 +264,8 @@ def test_tree_layout_bytes_and_mismatch():
     # The FP8 forward stays close to the bf16 one on the same tokens (the train-infer mismatch
     # that router replay exists to remove; measured in experiments/bench_rollout.py).
     tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
-    ref, got = model.forward(cfg, params, tokens), model.forward(cfg, qparams, tokens)
+    forward = jax.jit(functools.partial(model.forward, cfg))  # op by op: ~200 small programs
+    ref, got = forward(params, tokens), forward(qparams, tokens)
     dlogp = jnp.abs(jax.nn.log_softmax(ref.logits) - jax.nn.log_softmax(got.logits))
     assert float(jnp.mean(dlogp)) < 0.1
     agree = jnp.mean(jnp.argmax(ref.logits, -1) == jnp.argmax(got.logits, -1))
@@ -279,19 +282,26 @@ def test_fp8_weights_multiply_as_values_then_scales(granularity):
     the scales go on the products (`quant.ScaledWeight`). Per-block scales keep the copy."""
     cfg = model.ModelConfig.tiny(num_layers=2, d_model=48, moe_ffn_dim=40, num_experts=6)
     params = model.init(cfg, jax.random.key(0))
-    q = quant.quantize_fp8(params, granularity=granularity, block_size=16, keep_dtype="float32")
-    dq = quant.dequantize(q, "float32")
+    # Jitted: op by op, ~90 small programs each compiled on its own.
+    quantize = functools.partial(
+        quant.quantize_fp8, granularity=granularity, block_size=16, keep_dtype="float32"
+    )
+    q = jax.jit(quantize)(params)
+    dq = jax.jit(quant.dequantize, static_argnums=1)(q, "float32")
     tokens = jax.random.randint(jax.random.key(1), (3, 7), 0, cfg.vocab_size)
-    m = model.Model(cfg)
+    per_layer = jax.jit(model.Model(cfg).decode_params)(q)
+    # One reference for every path (test_transformer checks the paths agree in float32).
+    want = jax.jit(functools.partial(model.forward, cfg, dispatch_impl="ragged"))(dq, tokens)
     for impl in ("ragged", "capacity", "blocked", "triton"):
         forward = jax.jit(functools.partial(model.forward, cfg, dispatch_impl=impl))
-        want = forward(dq, tokens)
-        for p in (q, m.decode_params(q)):
+        # Every path on the sampler's per-layer weights, the stacked ones on one path: a path
+        # is handed the same per-layer expert weights in both layouts (the scan slices them).
+        for p in (per_layer, q) if impl == "ragged" else (per_layer,):
             got = forward(p, tokens)
             np.testing.assert_allclose(got.logits, want.logits, rtol=2e-5, atol=2e-5)
             np.testing.assert_array_equal(got.router.expert_ids, want.router.expert_ids)
     weight_shapes = set()  # each weight's shape and its [*lead, in, out] view
-    for leaf in jax.tree.leaves(m.decode_params(q), is_leaf=lambda x: hasattr(x, "scales")):
+    for leaf in jax.tree.leaves(per_layer, is_leaf=lambda x: hasattr(x, "scales")):
         if isinstance(leaf, quant.Fp8Tensor):
             n_out, n_lead = (
                 leaf.num_out_axes,
@@ -303,7 +313,7 @@ def test_fp8_weights_multiply_as_values_then_scales(granularity):
                 (*lead, leaf.values.size // math.prod((*lead, *out)), math.prod(out)),
             }
     jaxpr = jax.make_jaxpr(functools.partial(model.forward, cfg, dispatch_impl="ragged"))(
-        m.decode_params(q), tokens
+        per_layer, tokens
     ).jaxpr
     copies = [
         eqn

@@ -401,8 +401,15 @@ def _next_token_logits(params, out):
     return _forward(params, tokens, attention_mask=mask).logits[:, Tp - 1 : -1]
 
 
+# Tempered and truncated both ways; the top-k test samples with it too (one program for both):
+# its nucleus alone keeps most of the random model's 64 tokens, top_k=3 three.
+TRUNCATED = dict(temperature=0.7, top_p=0.9, top_k=3)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.7, 0.9, 20)])
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), tuple(TRUNCATED.values())]
+)
 def test_logps_entropies_and_trace_equal_the_full_forward(params, temperature, top_p, top_k):
     out = _sample(params, temperature=temperature, top_p=top_p, top_k=top_k)
     tokens, mask = out.training_inputs()
@@ -487,7 +494,7 @@ def test_seed_reproducibility(params):
 
 @pytest.mark.slow
 def test_top_k_restricts_the_support(params):
-    out = _sample(params, top_k=3, max_new_tokens=8)
+    out = _sample(params, **TRUNCATED, max_new_tokens=8)
     logits = _next_token_logits(params, out)
     rank = jnp.sum(logits > jnp.take_along_axis(logits, out.tokens[..., None], -1), axis=-1)
     assert int(jnp.max(jnp.where(out.mask, rank, 0))) < 3
@@ -495,7 +502,7 @@ def test_top_k_restricts_the_support(params):
 
 @pytest.mark.slow
 def test_fp8_params_sample_transparently(params):
-    qparams = quant.quantize_fp8(params)
+    qparams = jax.jit(quant.quantize_fp8)(params)  # op by op: ~30 small programs
     out = _sample(qparams, temperature=0.0)
     assert out.tokens.shape == (6, 16) and int(out.lengths.max()) <= 12
 
@@ -586,7 +593,8 @@ def test_several_decode_steps_per_check_change_no_sample(params):
     """Rows stop early (stop id 1) and at a budget (10) that is no multiple of the steps per
     check; the steps past the last live row write nothing. Also through a continuation prefix,
     and 6 steps per check on a 16-slot buffer (taken down to 2: a 6th step would pass the
-    cache's last slot)."""
+    cache's last slot): greedy there, the programs of one step per check are then those of
+    test_continuing_from_a_prefix_equals_one_pass (the first part samples)."""
     one = _sample(params, max_new_tokens=10)
     assert int(one.num_steps) % 4 != 0  # the check lands between two multiples of 4
     four = _sample(params, max_new_tokens=10, steps_per_check=4)
@@ -596,7 +604,7 @@ def test_several_decode_steps_per_check_change_no_sample(params):
     run = functools.partial(
         sampler.sample_chunk, MODEL, params, jnp.asarray(prompts), jnp.asarray(mask),
         jax.random.key(0), num_samples=1, gen_len=16,
-        sampling=_settings(temperature=1.0, stop_ids=(1,)),
+        sampling=_settings(temperature=0.0, stop_ids=(1,)),
     )  # fmt: skip
     first = run(jnp.asarray(16))
     assert int(first.num_steps) == 16  # a row runs to the whole buffer

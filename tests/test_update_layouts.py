@@ -21,6 +21,31 @@ _update = testing.load_script(
     pathlib.Path(__file__).with_name("test_update.py"), name="espo_tests_update"
 )
 CFG, N, TG, TP, _sc = _update.CFG, _update.N, _update.TG, _update.TP, _update._sc
+# A leading dense layer, then a run of two MoE layers.
+LAYERED = CFG.replace(num_layers=3, dense_layers=(0,), dense_ffn_dim=12)
+
+
+@functools.cache
+def _layered_batch():
+    """(batch, params, a reference policy unlike the policy) of the LAYERED model."""
+    batch, params = testing.random_train_batch(
+        LAYERED, num_rows=N, prompt_length=TP, generation_length=TG, seed=5
+    )
+    return batch, params, jax.tree.map(lambda a: a * 0.9, params)
+
+
+def _layered_sc(*, unroll: bool, budget: int | None):
+    sc = _sc(N, model=LAYERED, kl_coef=0.1)
+    return dataclasses.replace(sc, scan_layers=not unroll, packing_budget=budget)
+
+
+@functools.cache
+def _prepared(unroll: bool):
+    """`prepare` of the layered batch: on padded rows (no layout) in both cases of the test
+    below, so computed once for both."""
+    batch, params, ref = _layered_batch()
+    sc = _layered_sc(unroll=unroll, budget=None)
+    return jax.jit(functools.partial(train_step.prepare, sc))(params, ref, batch)[0]
 
 
 @pytest.mark.slow
@@ -31,18 +56,12 @@ def test_unrolled_layers_make_the_same_update(packed):
     stacked back: the same prepared batch and new params as the scan, on a model with a leading
     dense layer (two layer runs). A gradient stacked in the wrong layer order, or a run
     dropped, fails it."""
-    cfg = CFG.replace(num_layers=3, dense_layers=(0,), dense_ffn_dim=12)
-    batch, params = testing.random_train_batch(
-        cfg, num_rows=N, prompt_length=TP, generation_length=TG, seed=5
-    )
-    ref = jax.tree.map(lambda a: a * 0.9, params)  # a reference policy unlike the policy
+    _, params, _ = _layered_batch()
     budget = TP + TG if packed else None
     out = {}
     for unroll in (False, True):
-        sc = dataclasses.replace(
-            _sc(N, model=cfg, kl_coef=0.1), scan_layers=not unroll, packing_budget=budget
-        )
-        prepared, _ = jax.jit(functools.partial(train_step.prepare, sc))(params, ref, batch)
+        sc = _layered_sc(unroll=unroll, budget=budget)
+        prepared = _prepared(unroll)
         (mini,) = batching.minibatches(
             prepared, mini_batch_size=N, micro_batch_size=N, epochs=1, key=jax.random.key(0),
             packing_budget=budget,

@@ -11,15 +11,24 @@ from espo import model, quant, types
 from espo.model import ModelConfig, RoutingMode
 
 CFG = ModelConfig.tiny(num_layers=3, dense_layers=(1,), dense_ffn_dim=48, norm_topk_prob=False)
-forward = jax.jit(
-    functools.partial(model.forward, CFG),
-    static_argnames=("routing_mode", "dispatch_impl", "return_hidden"),
-)
+# Jitted once: `model.init` traces and looks up its own program again on every call.
+init = jax.jit(model.init, static_argnums=0)
+
+
+@functools.cache
+def forward_of(cfg: ModelConfig):
+    """One jitted forward per config, so that tests running the same shapes share its programs
+    (a new jit object traces and looks its program up again)."""
+    static = ("routing_mode", "dispatch_impl", "return_hidden")
+    return jax.jit(functools.partial(model.forward, cfg), static_argnames=static)
+
+
+forward = forward_of(CFG)
 
 
 @pytest.fixture(scope="module")
 def params():
-    return model.init(CFG, jax.random.key(0))
+    return init(CFG, jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +120,8 @@ def test_replaying_a_different_trace_routes_exactly_as_given(params, tokens):
     shifted_ids = jnp.where(
         free.router.expert_ids >= 0, (free.router.expert_ids + 1) % CFG.num_experts, -1
     )
-    weights = jnp.where(shifted_ids >= 0, 0.5, 0.0)
+    # float32, not weak-typed: the replayed forwards are then the programs of the self-replay.
+    weights = jnp.where(shifted_ids >= 0, 0.5, 0.0).astype(jnp.float32)
     trace = types.RouterTrace(expert_ids=shifted_ids, expert_weights=weights)
     out = forward(params, tokens, routing=trace, routing_mode=RoutingMode.REPLAY_IDS)
     np.testing.assert_array_equal(out.router.expert_ids, shifted_ids)
@@ -159,8 +169,8 @@ def test_per_layer_params_run_the_same_model(tokens, dense_layers):
     # unrolled: the same logits, cache, trace and router statistics, free and replayed, prefill
     # and one cached decode step.
     cfg = CFG.replace(dense_layers=dense_layers)
-    fwd = jax.jit(functools.partial(model.forward, cfg), static_argnames="routing_mode")
-    params = model.init(cfg, jax.random.key(0))
+    fwd = forward_of(cfg)
+    params = init(cfg, jax.random.key(0))
     per_layer = model.transformer.unstack_layers(cfg, params)
     assert not any(k.startswith("blocks_") and "layer" not in k for k in per_layer)
     cache = model.init_cache(cfg, batch=2, max_length=16)
@@ -203,7 +213,10 @@ def test_decode_params_fuse_each_layers_qkv_and_run_the_same_model(params, token
         ("block", 16, True),
         ("block", 24, False),
     ):
-        q = quant.quantize_fp8(params, granularity=granularity, block_size=block or 128)
+        quantize = functools.partial(
+            quant.quantize_fp8, granularity=granularity, block_size=block or 128
+        )
+        q = jax.jit(quantize)(params)  # op by op: ~200 small programs
         attn = m.decode_params(q)["blocks_0_layer_0"]["attn"]
         assert ("qkv_proj" in attn) == fuses, (granularity, block)
         if fuses:
@@ -230,8 +243,8 @@ def test_leading_dense_layers_each_read_their_own_cache_in_decode(tokens, layout
     sampler's per-layer decode params (`Model.decode_params`): the logits and routes of one full
     forward, and every layer's cache buffer holds that layer's keys (each layer's differ)."""
     cfg = LEADING_DENSE
-    fwd = jax.jit(functools.partial(model.forward, cfg))
-    params = model.init(cfg, jax.random.key(0))
+    fwd = forward_of(cfg)
+    params = init(cfg, jax.random.key(0))
     full = fwd(params, tokens)
     if layout == "decode params":
         params = model.Model(cfg).decode_params(params)
