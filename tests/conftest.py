@@ -19,6 +19,7 @@
 """
 
 import atexit
+import gc
 import importlib.metadata
 import os
 import shutil
@@ -61,6 +62,11 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # the tests' many small programs is ~4% faster, and no test reads an op's source line.
 os.environ["JAX_TRACEBACK_IN_LOCATIONS_LIMIT"] = "0"
 jax.config.update("jax_traceback_in_locations_limit", 0)
+
+# Python's collector less often: a test process holds millions of objects (traced programs,
+# jaxprs) that every full collection walks; the default thresholds spent ~5% of a test file's
+# time there (measured with gc.callbacks on tests/test_update.py).
+gc.set_threshold(100_000, 50, 100)
 
 hypothesis.settings.register_profile(
     "espo", deadline=None, max_examples=40, derandomize=True, print_blob=True

@@ -425,9 +425,9 @@ def test_logps_and_entropies_equal_a_recompute_on_continued_rows(params, reward_
     continued = out.lengths > 4
     assert continued.sum() >= 3
     tokens, mask = out.training_inputs()
-    recomputed = train_step.token_logps(
-        CFG, params, jnp.asarray(tokens), jnp.asarray(mask), temperature=temperature
-    )
+    recomputed = jax.jit(  # op by op: ~170 small programs
+        functools.partial(train_step.token_logps, CFG, temperature=temperature)
+    )(params, jnp.asarray(tokens), jnp.asarray(mask))
     Tp = out.prompt_tokens.shape[1]
     token_logp = np.asarray(train_step.completion(recomputed.logps, prompt_length=Tp))
     entropy = np.asarray(train_step.completion(recomputed.entropies, prompt_length=Tp))

@@ -60,11 +60,15 @@ def _assert_expert_ids_equal(cfg, ours, theirs, mask):
         np.testing.assert_array_equal(got[real], want[real], err_msg=f"layer {layer}")
 
 
+# Jitted (the config static): op by op, a forward compiled ~150 small programs.
+_forward = jax.jit(model.forward, static_argnums=0)
+
+
 @pytest.mark.slow
 def test_logits_and_experts_match_transformers(checkpoint):
     path, cfg, params = checkpoint
     want_logits, want_ids = testing.hf_forward(path, TOKENS)
-    out = model.forward(cfg, params, jnp.asarray(TOKENS))
+    out = _forward(cfg, params, jnp.asarray(TOKENS))
     np.testing.assert_allclose(out.logits, want_logits, atol=1e-4, rtol=1e-4)
     assert np.abs(want_logits).max() > 1.0  # the comparison is not between near-zero logits
     _assert_expert_ids_equal(cfg, out.router.expert_ids, want_ids, np.ones(TOKENS.shape, bool))
@@ -83,7 +87,7 @@ def test_padded_batch_matches_transformers(checkpoint, side):
     want_logits, want_ids = testing.hf_forward(
         path, tokens, attention_mask=mask.astype(np.int64), position_ids=positions
     )
-    out = model.forward(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+    out = _forward(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
     np.testing.assert_allclose(out.logits[mask], want_logits[mask], atol=1e-4, rtol=1e-4)
     _assert_expert_ids_equal(cfg, out.router.expert_ids, want_ids, mask)
 
