@@ -115,7 +115,7 @@ def nll(model: config_lib.ModelConfig, params: dict, batch: dict) -> jax.Array:
     return loss + tl.aux.total
 
 
-def sft_step(model, params, opt_state, batch, *, optimizer: optax.GradientTransformation):
+def sft_step(model, optimizer: optax.GradientTransformation, params, opt_state, batch):
     """One optimiser step on `nll`: (params, opt_state, loss). Not jitted here: the trainer
     jits it with the run's shardings in and out (`trainer._warm_start`)."""
     loss, grads = jax.value_and_grad(functools.partial(nll, model))(params, batch)

@@ -695,6 +695,9 @@ class TrainConfig:
         return rows, mini, micro
 
 
+# Cached: the same settings give the same transformation object, so a jitted step built on it
+# (`trainer._jit`) is found again by a later run in the same process.
+@functools.cache
 def make_optimizer(
     *,
     learning_rate: float,

@@ -192,17 +192,18 @@ def _rollout_params(s: config_lib.Settings, mesh, abstract_params, *, dtype: str
     (`sharding.rollout_rules`); the identity when neither applies."""
     if not rollout_converts(s):
         return lambda p: p
-    layout = None
+    layout = ((), None)  # a placement's (leaves, treedef): hashable, for `_jit`
     if s.rollout.param_layout != "training":
         rules = sharding.rollout_rules(s.rollout.param_layout)
-        layout = sharding.param_shardings(mesh, abstract_params, rules)
+        layout = jax.tree.flatten(sharding.param_shardings(mesh, abstract_params, rules))
+    return _jit(_to_rollout, s.rollout.fp8, dtype, tuple(layout[0]), layout[1])
 
-    def convert(params):
-        if layout is not None:  # gathered here, once, instead of at every decode step
-            params = jax.lax.with_sharding_constraint(params, layout)
-        return quant.quantize_fp8(params, keep_dtype=dtype) if s.rollout.fp8 else params
 
-    return jax.jit(convert)
+def _to_rollout(fp8: bool, dtype: str, layout_leaves: tuple, layout_tree, params):
+    if layout_tree is not None:  # gathered here, once, instead of at every decode step
+        layout = jax.tree.unflatten(layout_tree, layout_leaves)
+        params = jax.lax.with_sharding_constraint(params, layout)
+    return quant.quantize_fp8(params, keep_dtype=dtype) if fp8 else params
 
 
 def _history(s: config_lib.Settings, train_src) -> zero_variance.PassRateHistory:
@@ -286,6 +287,24 @@ def _check_model_config(saved: dict, model_cfg) -> None:
         if f.default is not dataclasses.MISSING
     }
     checkpoint.check_model_config(saved, _model_dict(model_cfg), defaults)
+
+
+def _jit(fn, *args, donate_argnums: tuple = (), out_shardings=None):
+    """`jax.jit(functools.partial(fn, *args), ...)`, one jit object per distinct (fn, args,
+    donation, output placement) in this process: a later run with the same settings (a notebook
+    training again, a sweep, the test suite's many runs) reuses its traced and compiled program
+    instead of tracing and lowering it again. `args` must hash (configs are frozen dataclasses,
+    `train_step.make_optimizer` returns one object per settings)."""
+    flat, tree = jax.tree.flatten(out_shardings) if out_shardings is not None else ((), None)
+    return _jitted(fn, args, tuple(donate_argnums), tuple(flat), tree)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted(fn, args, donate_argnums, flat, tree):
+    out_shardings = None if tree is None else jax.tree.unflatten(tree, flat)
+    return jax.jit(
+        functools.partial(fn, *args), donate_argnums=donate_argnums, out_shardings=out_shardings
+    )
 
 
 def step_config(s: config_lib.Settings, model_cfg, *, micro_batch_size: int, one_update=False):
@@ -391,7 +410,7 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     one_update = s.train.ppo_epochs == 1 and mini_rows == num_rows
     sc = step_config(s, model_cfg, micro_batch_size=micro_rows, one_update=one_update)
     rep = sharding.replicated(mesh)
-    prepare = jax.jit(functools.partial(train_step.prepare, sc), out_shardings=None)
+    prepare = _jit(train_step.prepare, sc)
     # The rollout engine's model: activations in rollout.dtype (e.g. bfloat16 while training in
     # float32), weights in FP8 with rollout.fp8; the train-inference mismatch this makes is
     # measured by `prepare` (mismatch/*) and corrected by router replay and loss.rollout_is.
@@ -423,8 +442,10 @@ def _train(config, s, mesh, workdir, *, progress: bool, t_start: float) -> dict:
     # returns the state where it found it (no resharding, no recompiles after step 1).
     abstract = jax.eval_shape(make_state, params)
     state_sharding = sharding.state_shardings(mesh, optimizer, abstract)
-    update = jax.jit(
-        functools.partial(train_step.train_step, sc, optimizer),
+    update = _jit(
+        train_step.train_step,
+        sc,
+        optimizer,
         donate_argnums=(0,),
         out_shardings=(state_sharding, rep),
     )
@@ -657,11 +678,10 @@ def _warm_start(
     params, opt_state = jax.jit(
         lambda p: (p, opt.init(p)), out_shardings=(where.params, where.opt_state)
     )(params)
-    step = jax.jit(
-        functools.partial(sft.sft_step, model_cfg, optimizer=opt),
-        donate_argnums=(0, 1),
+    step = _jit(
+        sft.sft_step, model_cfg, opt, donate_argnums=(0, 1),
         out_shardings=(where.params, where.opt_state, sharding.replicated(mesh)),
-    )
+    )  # fmt: skip
     width = curr.max_new_tokens
     target = lambda e: tok.encode_completion(e.demonstration or e.answer)
     accepted = verified(s, reward_fn or reward_fn_of(s)) or (lambda e: True)

@@ -31,6 +31,7 @@ from espo import (
     generation,
     metrics,
     rollout,
+    sharding,
     testing,
     train_step,
     trainer,
@@ -313,6 +314,10 @@ def test_resume_with_carried_over_groups_equals_uninterrupted(tmp_path):
     assert ((buffer.ages >= 1) & (buffer.ages <= 2)).all()  # zve.max_carry_over_steps=2
     _resume_from_step_2(tmp_path / "straight", tmp_path / "resumed", **CARRY_OVER)
     _assert_same_runs(_comparable(tmp_path / "resumed"), _comparable(tmp_path / "straight"))
+    # A second run of the same settings in this process reuses the first's jitted steps
+    # (`trainer._jit`): its step traces and compiles nothing.
+    resumed = metrics.read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert resumed[-1]["step"] == 3 and resumed[-1]["perf/compiles"] == 0, resumed[-1]
 
 
 @pytest.mark.multiprocess
@@ -650,3 +655,37 @@ def test_train_accuracy_counts_rewards_above_success_threshold_only():
     got = gen.metrics(zero_variance.Groups.empty())
     assert got["train/accuracy"] == 0.5  # 1.0 and 0.50001 of the 4 scored rows
     assert got["train/reward_mean"] == pytest.approx(2.00001 / 4)
+
+
+def test_jitted_steps_are_shared_by_equal_settings_only():
+    """`trainer._jit` hands a later run the jit object of an earlier one only when every setting
+    it was built from is equal: the function's arguments (here the optimizer, whose settings make
+    one object each: `train_step.make_optimizer` is cached), the donation and the placement of
+    the outputs. A key missing any of them would train a run with another run's program."""
+    opt = lambda **kw: train_step.make_optimizer(total_steps=10, **kw)[0]
+    assert opt(learning_rate=1e-3) is opt(learning_rate=1e-3)
+    assert opt(learning_rate=1e-3) is not opt(learning_rate=1e-3, b2=0.99)
+    mesh = sharding.make_mesh(data=1, fsdp=1, expert=1)
+    rep = sharding.replicated(mesh)
+    cfg = model_config.ModelConfig.tiny(num_layers=1)
+    kw = dict(donate_argnums=(0, 1), out_shardings=(rep, rep, rep))
+    step = trainer._jit(trainer.sft.sft_step, cfg, opt(learning_rate=1e-3), **kw)
+    assert step is trainer._jit(trainer.sft.sft_step, cfg, opt(learning_rate=1e-3), **kw)
+    other_lr = trainer._jit(trainer.sft.sft_step, cfg, opt(learning_rate=2e-3), **kw)
+    assert other_lr is not step
+    kept = dict(kw, donate_argnums=())
+    assert trainer._jit(trainer.sft.sft_step, cfg, opt(learning_rate=1e-3), **kept) is not step
+    placed = dict(kw, out_shardings=(rep, None, rep))
+    assert trainer._jit(trainer.sft.sft_step, cfg, opt(learning_rate=1e-3), **placed) is not step
+    # And each program is its own settings': the two learning rates take different steps.
+    params = transformer.init(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 6), 2, cfg.vocab_size)
+    batch = dict(tokens=tokens, attention_mask=jnp.ones((2, 6), bool),
+                 loss_mask=jnp.ones((2, 6), bool).at[:, :2].set(False))  # fmt: skip
+    moved = []
+    for fn, lr in ((step, 1e-3), (other_lr, 2e-3)):
+        p = jax.tree.map(jnp.copy, params)
+        new, _, _ = fn(p, opt(learning_rate=lr).init(p), batch)
+        diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new, params)
+        moved.append(max(jax.tree.leaves(diff)))
+    np.testing.assert_allclose(moved[1], 2 * moved[0], rtol=0.05)  # Adam: a step of size ~lr
