@@ -11,8 +11,6 @@ from espo import model, quant, types
 from espo.model import ModelConfig, RoutingMode
 
 CFG = ModelConfig.tiny(num_layers=3, dense_layers=(1,), dense_ffn_dim=48, norm_topk_prob=False)
-# Jitted once: `model.init` traces and looks up its own program again on every call.
-init = jax.jit(model.init, static_argnums=0)
 
 
 @functools.cache
@@ -28,7 +26,7 @@ forward = forward_of(CFG)
 
 @pytest.fixture(scope="module")
 def params():
-    return init(CFG, jax.random.key(0))
+    return model.init(CFG, jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +168,7 @@ def test_per_layer_params_run_the_same_model(tokens, dense_layers):
     # and one cached decode step.
     cfg = CFG.replace(dense_layers=dense_layers)
     fwd = forward_of(cfg)
-    params = init(cfg, jax.random.key(0))
+    params = model.init(cfg, jax.random.key(0))
     per_layer = model.transformer.unstack_layers(cfg, params)
     assert not any(k.startswith("blocks_") and "layer" not in k for k in per_layer)
     cache = model.init_cache(cfg, batch=2, max_length=16)
@@ -244,7 +242,7 @@ def test_leading_dense_layers_each_read_their_own_cache_in_decode(tokens, layout
     forward, and every layer's cache buffer holds that layer's keys (each layer's differ)."""
     cfg = LEADING_DENSE
     fwd = forward_of(cfg)
-    params = init(cfg, jax.random.key(0))
+    params = model.init(cfg, jax.random.key(0))
     full = fwd(params, tokens)
     if layout == "decode params":
         params = model.Model(cfg).decode_params(params)
