@@ -47,6 +47,7 @@ Padding tokens (mask False) get 0 and never reach a max or a sum, whatever they 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import flax.struct
@@ -439,6 +440,13 @@ def group_normalized(
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be [P, G], got shape {rewards.shape}")
+    return _group_normalized(rewards, eps=eps, scale_by_std=scale_by_std)
+
+
+# Jitted: called on host arrays (the RM stage's inversion metrics every step), op by op it
+# compiled ~10 small programs for each new shape.
+@functools.partial(jax.jit, static_argnames=("eps", "scale_by_std"))
+def _group_normalized(rewards: Float[Array, "P G"], *, eps: float, scale_by_std: bool):
     P, G = rewards.shape
     flat = normalize(
         rewards.reshape(P * G),

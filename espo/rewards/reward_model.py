@@ -46,6 +46,11 @@ from espo import errors, model
 # ---- measuring inversion ---------------------------------------------------------------------
 
 
+# The measures are jitted: the trainer's RM stage calls them on host arrays every step, where
+# op by op each call compiled ~10 small programs (for each new shape: the mixed groups' count
+# varies from step to step).
+
+
 def _signs(x: Float[Array, "P G"], tol: float) -> Int[Array, "P G"]:
     """-1 / 0 / +1 with |x| <= tol read as 0."""
     return jnp.where(x > tol, 1, jnp.where(x < -tol, -1, 0))
@@ -62,6 +67,7 @@ def _check_pair(advantages, true_quality):
     return advantages, true_quality
 
 
+@jax.jit
 def inversion_rate(
     advantages: Float[Array, "P G"],
     *,
@@ -87,6 +93,7 @@ def inversion_rate(
     return inverted.astype(jnp.float32).mean()
 
 
+@jax.jit
 def sign_agreement_rate(
     advantages: Float[Array, "P G"],
     *,
@@ -104,6 +111,7 @@ def sign_agreement_rate(
     return right.sum() / jnp.maximum(decided.sum(), 1.0)
 
 
+@jax.jit
 def pairwise_inversion_rate(
     advantages: Float[Array, "P G"],
     *,
@@ -122,6 +130,7 @@ def pairwise_inversion_rate(
     return (ordered & reversed_).astype(jnp.float32).sum() / jnp.maximum(num_ordered, 1.0)
 
 
+@jax.jit
 def tied_pair_split_rate(
     advantages: Float[Array, "P G"],
     *,

@@ -43,9 +43,14 @@ def _routing(seed, *, unrecorded=0):
 IMPLS = ["capacity", "blocked", "ragged", "mosaic_gpu", "triton", "megablox"]
 
 
+# Jitted (the paths always run jitted in a model): op by op, each dispatch and loop reference
+# compiled dozens of small programs.
+_reference = jax.jit(moe.moe_reference)
+
+
 def _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, **kw):
-    got = moe.dispatch(x, ids, w, w_gate, w_up, w_down, **kw)
-    want = moe.moe_reference(x, ids, w, w_gate, w_up, w_down)
+    got = jax.jit(functools.partial(moe.dispatch, **kw))(x, ids, w, w_gate, w_up, w_down)
+    want = _reference(x, ids, w, w_gate, w_up, w_down)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -57,9 +62,15 @@ def _assert_gradients_match_reference(x, ids, w, w_gate, w_up, w_down, **kw):
     grad_argnums = (0, 2, 3, 4, 5)
     fn = lambda *a: moe.dispatch(*a, **kw)  # noqa: E731
     got = jax.jit(jax.grad(lambda *a: loss(fn, *a), grad_argnums))(*args)
-    want = jax.grad(lambda *a: loss(moe.moe_reference, *a), grad_argnums)(*args)
+    want = _reference_grad(grad_argnums)(*args)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
+
+
+@functools.cache
+def _reference_grad(grad_argnums):
+    loss = lambda *a: jnp.sum(jnp.sin(moe.moe_reference(*a)))  # noqa: E731
+    return jax.jit(jax.grad(loss, grad_argnums))
 
 
 def _skewed_routing():
@@ -139,8 +150,8 @@ def test_bfloat16_dispatch_keeps_its_dtype_and_the_float32_values(weights, kw):
     assert out.dtype == jnp.bfloat16
     assert [g.dtype for g in grads] == [jnp.bfloat16] * 5
     f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
-    want = moe.moe_reference(*f32)
-    _, want_grads = run(moe.moe_reference, *f32)
+    want = _reference(*f32)
+    _, want_grads = jax.jit(lambda *a: run(moe.moe_reference, *a))(*f32)
     for got, ref in zip([out, *grads], [want, *want_grads], strict=True):
         scale = float(jnp.max(jnp.abs(ref)))
         np.testing.assert_allclose(got.astype(jnp.float32), ref, atol=0.03 * scale, rtol=0.03)
@@ -331,6 +342,16 @@ def test_router_losses_of_one_real_token_and_of_none():
     chex.assert_trees_all_equal(none, (0.0, 0.0, jnp.zeros(2)))
 
 
+def _router_losses(lg, i, m):
+    lb, z, _ = moe.router_losses(lg, i, m)
+    return 0.7 * lb + 0.3 * z, (lb, z)
+
+
+# Jitted once (a program a shape; op by op, each example compiled ~7 small ones): the masks are
+# the same operations either way, and 0 * inf is NaN in both.
+_router_value_and_grad = jax.jit(jax.value_and_grad(_router_losses, has_aux=True))
+
+
 @hypothesis.given(
     seed=st.integers(0, 2**16),
     num_pad=st.integers(1, 4),
@@ -342,24 +363,18 @@ def test_router_losses_ignore_whatever_padding_holds(seed, num_pad, fill):
     # Padded rows hold extreme / non-finite logits and arbitrary ids: value and gradient equal
     # those of the real rows alone (gradient 0 at padding). Catches P_e or f_e averaged over all
     # tokens, and masks applied by multiplication (0 * inf = NaN).
-    rng = np.random.default_rng(seed)
-    real_logits = jnp.asarray(rng.normal(size=(5, E)) * 2, jnp.float32)
-    real_ids = jnp.asarray(rng.choice(E, size=(5, K)), jnp.int32)
-    pad_logits = jnp.full((num_pad, E), fill, jnp.float32).at[:, 0].set(1.0)
-    pad_ids = jnp.asarray(rng.choice(E, size=(num_pad, K)), jnp.int32)
-    logits = jnp.concatenate([pad_logits, real_logits])
-    ids = jnp.concatenate([pad_ids, real_ids])
-    mask = jnp.concatenate([jnp.zeros(num_pad), jnp.ones(5)])
+    rng = np.random.default_rng(seed)  # built in numpy: no small program compiled a shape
+    real_logits = (rng.normal(size=(5, E)) * 2).astype(np.float32)
+    real_ids = rng.choice(E, size=(5, K)).astype(np.int32)
+    pad_logits = np.full((num_pad, E), fill, np.float32)
+    pad_logits[:, 0] = 1.0
+    pad_ids = rng.choice(E, size=(num_pad, K)).astype(np.int32)
+    logits = np.concatenate([pad_logits, real_logits])
+    ids = np.concatenate([pad_ids, real_ids])
+    mask = np.concatenate([np.zeros(num_pad, np.float32), np.ones(5, np.float32)])
 
-    def losses(lg, i, m):
-        lb, z, _ = moe.router_losses(lg, i, m)
-        return 0.7 * lb + 0.3 * z, (lb, z)
-
-    # Jitted (one program a shape; op by op, each example compiled ~7 small ones): the masks
-    # are the same operations either way, and 0 * inf is NaN in both.
-    value_and_grad = jax.jit(jax.value_and_grad(losses, has_aux=True))
-    (_, want), want_grad = value_and_grad(real_logits, real_ids, jnp.ones(5))
-    (_, got), grad = value_and_grad(logits, ids, mask)
+    (_, want), want_grad = _router_value_and_grad(real_logits, real_ids, np.ones(5, np.float32))
+    (_, got), grad = _router_value_and_grad(logits, ids, mask)
     chex.assert_trees_all_close(got, want, rtol=1e-6)
     chex.assert_tree_all_finite(grad)
     chex.assert_trees_all_close(grad[num_pad:], want_grad, rtol=1e-5, atol=1e-7)
@@ -390,8 +405,11 @@ def test_small_capacities_stream_the_experts_on_cpu_and_equal_the_gemm(weights, 
     w_gate, w_up, w_down, x = weights
     ids, w = _routing(2)
     args = (x, ids, w, w_gate, w_up, w_down)
-    run = lambda: jax.value_and_grad(  # noqa: E731
-        lambda *a: jnp.sum(jnp.sin(moe.dispatch(*a, impl="capacity", capacity=12))), (0, 3, 4, 5)
+    run = lambda: jax.jit(  # noqa: E731  (a new jit each call: traced with SMALL_GROUP_ROWS now)
+        jax.value_and_grad(
+            lambda *a: jnp.sum(jnp.sin(moe.dispatch(*a, impl="capacity", capacity=12))),
+            (0, 3, 4, 5),
+        )
     )(*args)
     streamed = run()
     monkeypatch.setattr(moe, "SMALL_GROUP_ROWS", 0)

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
 
 from espo import model, testing, types
 from espo.model import ModelConfig, RoutingMode, layers, moe
@@ -93,19 +92,21 @@ def _assert_matches(out, want, mask):
 
 
 @pytest.mark.slow
-class ForwardMatchesReferenceTest(parameterized.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters(*[(name, name) for name in CONFIGS])
-    def test_free_forward(self, name):
-        cfg, params, tokens, mask = _case(name)
-        forward = self.variant(functools.partial(model.forward, cfg))
-        out = forward(params, tokens, attention_mask=mask)
-        want = ref.forward(cfg, params, tokens, attention_mask=mask)
-        _assert_matches(out, want, mask)
-        # The comparison is not between near-zero numbers, and the losses are distinct, so a
-        # swap of the two coefficients changes aux.total.
-        assert np.abs(want.logits).max() > 1.0
-        assert abs(want.load_balancing_loss - want.z_loss) > 0.5
+@pytest.mark.parametrize(
+    ("name", "jit"), [(name, True) for name in CONFIGS] + [("window_shared_dense_qknorm", False)]
+)
+def test_free_forward(name, jit):
+    """Jitted, and op by op for one config (a notebook's eager call; the other config op by op
+    compiled ~150 small programs for no new path)."""
+    cfg, params, tokens, mask = _case(name)
+    forward = _jit_forward if jit else model.forward  # jitted: the program test_replayed_...'s
+    out = forward(cfg, params, tokens, attention_mask=mask)  # free forward runs too
+    want = ref.forward(cfg, params, tokens, attention_mask=mask)
+    _assert_matches(out, want, mask)
+    # The comparison is not between near-zero numbers, and the losses are distinct, so a
+    # swap of the two coefficients changes aux.total.
+    assert np.abs(want.logits).max() > 1.0
+    assert abs(want.load_balancing_loss - want.z_loss) > 0.5
 
 
 _jit_forward = jax.jit(
@@ -199,10 +200,11 @@ def test_shared_expert_gate_is_a_sigmoid_hand_example():
     block = moe.MoeBlock(cfg)
     h = jnp.array([[[1.0, 0.5, -1.0, 2.0]]])  # [B=1, T=1, D=4]
     kw = dict(token_mask=jnp.ones((1, 1)), replay_ids=None, replay_weights=None)
-    params = block.init(jax.random.key(0), h, **kw)["params"]
+    # Jitted: op by op, the init and apply compiled ~110 small programs.
+    params = jax.jit(block.init)(jax.random.key(0), h, **kw)["params"]
     params = dict(params, down_proj=jnp.zeros_like(params["down_proj"]))
     params["shared_expert_gate"] = jnp.array([[0.0], [0.0], [0.0], [1.0]])  # h . w_sg = 2
-    out, _ = block.apply({"params": params}, h, **kw)
+    out, _ = jax.jit(block.apply)({"params": params}, h, **kw)
     s = jax.tree.map(np.asarray, params["shared_expert"])
     shared = ref.swiglu(np.asarray(h[0, 0]), s["gate_proj"], s["up_proj"], s["down_proj"])
     np.testing.assert_allclose(out[0, 0], 0.8807971 * shared, rtol=1e-5, atol=1e-6)

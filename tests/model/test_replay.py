@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
 from jax.experimental import checkify
 
 from espo import model, types
@@ -88,21 +87,23 @@ def test_unrecorded_padding_is_not_an_error(setup):
 
 
 @pytest.mark.slow
-class ReplayMissingFreeTest(parameterized.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters(*[(m.name, m) for m in REPLAY_MODES])
-    def test_free_routes_those_tokens_with_the_router(self, mode):
-        params, tokens, free, trace = _setup()
-        forward = functools.partial(model.forward, CFG, routing_mode=mode, replay_missing="free")
-        out = self.variant(forward)(params, tokens, routing=trace)
-        assert int(out.aux.num_unrecorded_routes) == 2
-        # Equal to the free forward everywhere: unrecorded tokens route freely, the others
-        # replay the free forward's own routing.
-        np.testing.assert_array_equal(out.router.expert_ids, free.router.expert_ids)
-        chex.assert_trees_all_close(
-            out.router.expert_weights, free.router.expert_weights, atol=1e-6
-        )
-        chex.assert_trees_all_close(out.logits, free.logits, atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize(
+    ("mode", "jit"),
+    [(m, True) for m in REPLAY_MODES] + [(REPLAY_MODES[0], False)],
+    ids=lambda v: v.name if isinstance(v, model.RoutingMode) else ("jit" if v else "op_by_op"),
+)
+def test_free_routes_those_tokens_with_the_router(mode, jit):
+    """Jitted in both modes, and op by op in one (the other op by op compiled ~180 small
+    programs for no new path)."""
+    params, tokens, free, trace = _setup()
+    forward = functools.partial(model.forward, CFG, routing_mode=mode, replay_missing="free")
+    out = (jax.jit(forward) if jit else forward)(params, tokens, routing=trace)
+    assert int(out.aux.num_unrecorded_routes) == 2
+    # Equal to the free forward everywhere: unrecorded tokens route freely, the others
+    # replay the free forward's own routing.
+    np.testing.assert_array_equal(out.router.expert_ids, free.router.expert_ids)
+    chex.assert_trees_all_close(out.router.expert_weights, free.router.expert_weights, atol=1e-6)
+    chex.assert_trees_all_close(out.logits, free.logits, atol=1e-4, rtol=1e-4)
 
 
 def test_replay_missing_is_validated(setup):

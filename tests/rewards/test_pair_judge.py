@@ -16,6 +16,9 @@ from espo.rewards import reward_model as rm
 from espo.testing import raises_invalid
 
 CFG = model.ModelConfig.tiny(vocab_size=16, num_layers=1)
+# Jitted (op by op, each forward compiled ~50 small programs).
+_judge_logits = jax.jit(pair_judge.judge_logits, static_argnums=0)
+_judge_loss = jax.jit(pair_judge.judge_loss, static_argnums=0)
 
 
 def _params(seed=0):
@@ -46,14 +49,15 @@ def test_logits_and_loss_by_hand():
     params = _params()
     tokens = jax.random.randint(jax.random.key(3), (3, 6), 1, 15)
     mask = np.arange(6)[None] < np.array([6, 4, 2])[:, None]
-    logits, _ = pair_judge.judge_logits(CFG, params, tokens, attention_mask=mask)
-    out = model.forward(CFG, params["backbone"], tokens, attention_mask=mask, return_hidden=True)
+    logits, _ = _judge_logits(CFG, params, tokens, attention_mask=mask)
+    forward = jax.jit(model.forward, static_argnums=0, static_argnames="return_hidden")
+    out = forward(CFG, params["backbone"], tokens, attention_mask=mask, return_hidden=True)
     hidden = np.asarray(out.hidden)[np.arange(3), [5, 3, 1]]  # [3, D] the last real tokens
     want = hidden @ np.asarray(params["head"]["w"]) + np.asarray(params["head"]["b"])
     np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-5, atol=1e-5)
     labels = np.array([0, 1, 2])
     batch = pair_judge.JudgeBatch(tokens, mask, labels)
-    loss, m = pair_judge.judge_loss(CFG, params, batch)
+    loss, m = _judge_loss(CFG, params, batch)
     logp = want - np.log(np.exp(want).sum(-1, keepdims=True))
     ce = -logp[np.arange(3), labels].mean()
     np.testing.assert_allclose(float(m["ce_loss"]), ce, rtol=1e-5)
@@ -78,7 +82,7 @@ def test_train_step_fits_a_batch():
         params, state, m = step(params, state, batch)
         first = first if first is not None else float(m["ce_loss"])
     assert first == pytest.approx(np.log(3), rel=1e-5)  # the zero head: uniform classes
-    _, m = pair_judge.judge_loss(CFG, params, batch)
+    _, m = _judge_loss(CFG, params, batch)
     assert float(m["accuracy"]) == 1.0 and float(m["ce_loss"]) < 0.5 * first
 
 
