@@ -67,6 +67,17 @@ def verdict(differences: list[float]) -> str:
     return "not confirmed (the interval includes 0)"
 
 
+def warm_start_groups(runs: list[list[dict]]) -> dict[float, list[int]]:
+    """{step-0 greedy mean length: the indices of the seeds with it}: the seeds grouped by warm
+    start (each seed's step-0 eval is its warm start's greedy decodes: identical within one warm
+    start, different across the two this experiment had; docs/repro/README.md)."""
+    groups: dict[float, list[int]] = {}
+    for i, records in enumerate(runs):
+        start = next(r for r in records if r["step"] == 0 and "eval/greedy_mean_length" in r)
+        groups.setdefault(start["eval/greedy_mean_length"], []).append(i)
+    return groups
+
+
 def summarize(runs, arm_list) -> tuple[list[str], dict]:
     sections, data = repro_curriculum.summarize(runs, arm_list)
     sampled = [c for c in data[arm_list[0].name] if c.startswith("hardest pass@")]
@@ -81,6 +92,17 @@ def summarize(runs, arm_list) -> tuple[list[str], dict]:
             f"**{said}**."
         )
         data["primary"] = {"column": key, "differences": diffs, "verdict": said}
+        groups = warm_start_groups(runs[arm])
+        if len(groups) > 1:  # seeds from more than one warm start: each group's mean apart
+            parts = [
+                f"warm start {w + 1} (step-0 greedy length {length:.2f}, {len(idx)} seeds): "
+                f"{repro_lib.ci([diffs[i] for i in idx])}"
+                for w, (length, idx) in enumerate(groups.items())
+            ]
+            line += " By warm start (no verdict): " + "; ".join(parts) + "."
+            data["primary"]["by_warm_start"] = {
+                f"{length:.4f}": [diffs[i] for i in idx] for length, idx in groups.items()
+            }
         sections = [line, *sections]
     sections.append(
         "Every evaluated prompt has ten terms (`eval.min_difficulty` = 1), so `eval/pass@1` and "

@@ -70,3 +70,34 @@ def test_the_warm_start_experiment_pairs_within_warm_start_and_seed():
     assert primary["verdict"] == "reproduced"
     assert "espo minus gspo" in data["comparisons"]
     assert sections[0].startswith("**Primary**")
+
+
+def test_the_confirmatory_curriculum_reports_each_warm_start_apart():
+    """Seeds 8-10's records twice, the copies with another step-0 greedy length (a second warm
+    start) and staged's final pass@16 0.1 higher: the primary comparison pools the six paired
+    differences, and each warm start's mean difference is given apart (docs/repro/README.md:
+    seeds 11-13 come from a second warm start)."""
+    confirm = _load("repro_curriculum_confirm")
+    arms = [lib.Arm(n, {}) for n in ("staged", "uniform", "hard")]
+    records = ROOT / "docs" / "repro" / "curriculum_confirm" / "records"
+    runs = lib.read_records(records, arms, [8, 9, 10])
+    _, first = confirm.summarize(runs, arms)
+    assert "by_warm_start" not in first["primary"]  # one warm start: nothing apart
+
+    def second_warm_start(seed_runs, shift):
+        out = []
+        for recs in seed_runs:
+            recs = [dict(r) for r in recs]
+            recs[0]["eval/greedy_mean_length"] += 1.0  # step 0: another warm start's decodes
+            last = max(i for i, r in enumerate(recs) if any("pass@16" in k for k in r))
+            recs[last] = {k: (v + shift if "pass@16" in k else v) for k, v in recs[last].items()}
+            out.append(recs)
+        return out
+
+    both = {a.name: runs[a.name] + second_warm_start(runs[a.name], 0.1 * (a.name == "staged"))
+            for a in arms}  # fmt: skip
+    sections, data = confirm.summarize(both, arms)
+    diffs, by = data["primary"]["differences"], data["primary"]["by_warm_start"]
+    assert len(diffs) == 6 and diffs[3:] == pytest.approx([d + 0.1 for d in diffs[:3]])
+    assert list(by.values()) == [pytest.approx(diffs[:3]), pytest.approx(diffs[3:])]
+    assert "By warm start (no verdict): warm start 1" in sections[0]
