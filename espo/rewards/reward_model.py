@@ -44,8 +44,6 @@ from jaxtyping import Array, Bool, Float, Int
 from espo import errors, model
 
 # ---- measuring inversion ---------------------------------------------------------------------
-
-
 # The measures are jitted: the trainer's RM stage calls them on host arrays every step, where
 # op by op each call compiled ~10 small programs (for each new shape: the mixed groups' count
 # varies from step to step).

@@ -54,23 +54,21 @@ def _assert_dispatch_matches_reference(x, ids, w, w_gate, w_up, w_down, **kw):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _assert_gradients_match_reference(x, ids, w, w_gate, w_up, w_down, **kw):
-    def loss(fn, *args):
-        return jnp.sum(jnp.sin(fn(*args)))
+def _sin_loss(fn, *args):
+    return jnp.sum(jnp.sin(fn(*args)))
 
+
+_GRAD_ARGNUMS = (0, 2, 3, 4, 5)  # x, the gate weights and the experts (not the ids)
+_reference_grad = jax.jit(jax.grad(functools.partial(_sin_loss, moe.moe_reference), _GRAD_ARGNUMS))
+
+
+def _assert_gradients_match_reference(x, ids, w, w_gate, w_up, w_down, **kw):
     args = (x, ids, w, w_gate, w_up, w_down)
-    grad_argnums = (0, 2, 3, 4, 5)
-    fn = lambda *a: moe.dispatch(*a, **kw)  # noqa: E731
-    got = jax.jit(jax.grad(lambda *a: loss(fn, *a), grad_argnums))(*args)
-    want = _reference_grad(grad_argnums)(*args)
+    dispatch = functools.partial(moe.dispatch, **kw)
+    got = jax.jit(jax.grad(functools.partial(_sin_loss, dispatch), _GRAD_ARGNUMS))(*args)
+    want = _reference_grad(*args)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
-
-
-@functools.cache
-def _reference_grad(grad_argnums):
-    loss = lambda *a: jnp.sum(jnp.sin(moe.moe_reference(*a)))  # noqa: E731
-    return jax.jit(jax.grad(loss, grad_argnums))
 
 
 def _skewed_routing():
