@@ -192,16 +192,15 @@ def _rollout_params(s: config_lib.Settings, mesh, abstract_params, *, dtype: str
     (`sharding.rollout_rules`); the identity when neither applies."""
     if not rollout_converts(s):
         return lambda p: p
-    layout = ((), None)  # a placement's (leaves, treedef): hashable, for `_jit`
+    layout = None
     if s.rollout.param_layout != "training":
         rules = sharding.rollout_rules(s.rollout.param_layout)
-        layout = jax.tree.flatten(sharding.param_shardings(mesh, abstract_params, rules))
-    return _jit(_to_rollout, s.rollout.fp8, dtype, tuple(layout[0]), layout[1])
+        layout = sharding.param_shardings(mesh, abstract_params, rules)
+    return _jit(_to_rollout, s.rollout.fp8, dtype, layout)
 
 
-def _to_rollout(fp8: bool, dtype: str, layout_leaves: tuple, layout_tree, params):
-    if layout_tree is not None:  # gathered here, once, instead of at every decode step
-        layout = jax.tree.unflatten(layout_tree, layout_leaves)
+def _to_rollout(fp8: bool, dtype: str, layout, params):
+    if layout is not None:  # gathered here, once, instead of at every decode step
         params = jax.lax.with_sharding_constraint(params, layout)
     return quant.quantize_fp8(params, keep_dtype=dtype) if fp8 else params
 
@@ -293,15 +292,17 @@ def _jit(fn, *args, donate_argnums: tuple = (), out_shardings=None):
     """`jax.jit(functools.partial(fn, *args), ...)`, one jit object per distinct (fn, args,
     donation, output placement) in this process: a later run with the same settings (a notebook
     training again, a sweep, the test suite's many runs) reuses its traced and compiled program
-    instead of tracing and lowering it again. `args` must hash (configs are frozen dataclasses,
-    `train_step.make_optimizer` returns one object per settings)."""
-    flat, tree = jax.tree.flatten(out_shardings) if out_shardings is not None else ((), None)
-    return _jitted(fn, args, tuple(donate_argnums), tuple(flat), tree)
+    instead of tracing and lowering it again. `args` and `out_shardings` are keyed by their
+    pytree leaves and structure, so the leaves must hash (configs are frozen dataclasses,
+    `train_step.make_optimizer` returns one object per settings, placements' dicts flatten to
+    shardings)."""
+    leaves, tree = jax.tree.flatten((args, out_shardings))
+    return _jitted(fn, tuple(leaves), tree, tuple(donate_argnums))
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted(fn, args, donate_argnums, flat, tree):
-    out_shardings = None if tree is None else jax.tree.unflatten(tree, flat)
+def _jitted(fn, leaves, tree, donate_argnums):
+    args, out_shardings = jax.tree.unflatten(tree, leaves)
     return jax.jit(
         functools.partial(fn, *args), donate_argnums=donate_argnums, out_shardings=out_shardings
     )
