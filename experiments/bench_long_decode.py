@@ -19,6 +19,11 @@ What should hold: a step reads every layer's weights once and the filled part of
 step time grows with C only through the cache's bytes; the prefill over the cache takes the
 blocked attention (linear memory) from 1,024 slots up.
 
+Attention arms (`--attention`, alternated within each repetition over one prefilled cache):
+"xla" = the step as the sampler takes it by default (CPU: `layers.decode_attention`'s block
+loop in XLA; GPU: XLA's softmax over the whole cache buffer); "kernel" (GPU only) =
+`layers.GPU_BLOCKED_DECODE` on: `gpu_attention`'s Triton kernel over the filled slots.
+
 Models (`--model`): "default" = configs/default.py's model (float32); "qwen3_L<n>" = n layers
 of `ModelConfig.qwen3_30b_a3b` (bf16; too slow for this CPU at long contexts).
 """
@@ -30,6 +35,7 @@ import json
 import pathlib
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +45,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_memory  # noqa: E402
 import bench_rollout  # noqa: E402
 
-from espo.model import handle, transformer  # noqa: E402
+from espo.model import handle, layers, transformer  # noqa: E402
 
 
 def kv_cache_gib(cfg, rows: int, slots: int) -> float:
@@ -49,8 +55,13 @@ def kv_cache_gib(cfg, rows: int, slots: int) -> float:
     return n * itemsize / 2**30
 
 
-def measure(cfg, context: int, *, rows: int, new: int, reps: int, seed: int = 0) -> dict:
-    """One context's prefill and decode step (module docstring)."""
+ARMS = ("xla", "kernel")
+
+
+def measure(
+    cfg, context: int, *, rows: int, new: int, reps: int, seed: int = 0, arms=("xla",)
+) -> list[dict]:
+    """One context's prefill and decode step, one row per attention arm (module docstring)."""
     model = handle.Model(cfg)
     params = transformer.init(cfg, jax.random.key(seed))
     if hasattr(model, "decode_params"):  # as sampler.sample_chunk does
@@ -61,40 +72,53 @@ def measure(cfg, context: int, *, rows: int, new: int, reps: int, seed: int = 0)
     prefill = jax.jit(
         lambda p, c: model.forward(p, prompts, attention_mask=mask, cache=c).cache
     )  # fmt: skip
-    step = jax.jit(
-        lambda p, tok, c: model.forward(p, tok, attention_mask=jnp.ones_like(tok, bool), cache=c),
-        donate_argnums=2,
-    )  # fmt: skip
+
+    def decode_step(arm):  # GPU_BLOCKED_DECODE is read while tracing: each arm its own jit
+        def forward(p, tok, c):
+            return model.forward(p, tok, attention_mask=jnp.ones_like(tok, bool), cache=c)
+
+        fn = jax.jit(forward, donate_argnums=2)
+
+        def run(*a):
+            with mock.patch.object(layers, "GPU_BLOCKED_DECODE", arm == "kernel"):
+                return fn(*a)
+
+        return run
+
+    steps = {arm: decode_step(arm) for arm in arms}
     tokens = jax.random.randint(jax.random.key(seed + 2), (new, rows, 1), 1, cfg.vocab_size)
+    fresh = lambda: model.init_cache(batch=rows, max_length=slots)  # noqa: E731
     t0 = time.perf_counter()
-    cache = jax.block_until_ready(prefill(params, model.init_cache(batch=rows, max_length=slots)))
+    cache = jax.block_until_ready(prefill(params, fresh()))
     compile_s = time.perf_counter() - t0
-    prefill_s, step_s = [], []
+    prefill_s, step_s = [], {arm: [] for arm in arms}
     for _ in range(reps):
-        empty = jax.block_until_ready(model.init_cache(batch=rows, max_length=slots))
+        empty = jax.block_until_ready(fresh())
         t0 = time.perf_counter()
         cache = jax.block_until_ready(prefill(params, empty))
         prefill_s.append(time.perf_counter() - t0)
-        jax.block_until_ready(step(params, tokens[0], cache).cache)  # compiled once, then timed
-        cache = jax.block_until_ready(
-            prefill(params, model.init_cache(batch=rows, max_length=slots))
-        )
-        t0 = time.perf_counter()
-        for i in range(new):
-            cache = step(params, tokens[i], cache).cache
-        jax.block_until_ready(cache)
-        step_s.append((time.perf_counter() - t0) / new)
-    step_ms = 1e3 * float(np.median(step_s))
+        for arm, step in steps.items():  # alternated: a machine under other load slows both
+            jax.block_until_ready(step(params, tokens[0], cache).cache)  # compiled, then timed
+            cache = jax.block_until_ready(prefill(params, fresh()))
+            t0 = time.perf_counter()
+            for i in range(new):
+                cache = step(params, tokens[i], cache).cache
+            jax.block_until_ready(cache)
+            step_s[arm].append((time.perf_counter() - t0) / new)
     touched = min(cfg.num_experts, rows * cfg.top_k)  # at most: every row's own experts
     read = bench_rollout.decode_step_bytes(
         cfg, batch=rows, touched_experts=touched, mean_length=context + new // 2
     )  # the weights a step reads and the filled cache
-    return dict(
-        read_gb=read / 1e9, read_gbs=read / step_ms / 1e6,
-        context=context, rows=rows, new=new, compile_s=compile_s,
-        prefill_s=float(np.median(prefill_s)), step_ms=step_ms,
-        tokens_per_s=rows / step_ms * 1e3, kv_cache_gib=kv_cache_gib(cfg, rows, slots),
-    )  # fmt: skip
+    out = []
+    for arm in arms:
+        step_ms = 1e3 * float(np.median(step_s[arm]))
+        out.append(dict(
+            attention=arm, read_gb=read / 1e9, read_gbs=read / step_ms / 1e6,
+            context=context, rows=rows, new=new, compile_s=compile_s,
+            prefill_s=float(np.median(prefill_s)), step_ms=step_ms,
+            tokens_per_s=rows / step_ms * 1e3, kv_cache_gib=kv_cache_gib(cfg, rows, slots),
+        ))  # fmt: skip
+    return out
 
 
 def main(argv=None) -> None:
@@ -107,27 +131,35 @@ def main(argv=None) -> None:
     p.add_argument("--new", type=int, default=128, help="decode steps timed")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--moe-chunk", type=int, default=0, help="model.moe_chunk (the prefill's)")
+    p.add_argument("--attention", default="xla", help=f"comma-separated arms among {ARMS}")
     p.add_argument("--json", default="", help="write the rows here")
     args = p.parse_args(argv)
+    arms = tuple(args.attention.split(","))
+    if not set(arms) <= set(ARMS) or len(set(arms)) < len(arms):
+        p.error(f"--attention: {args.attention!r}; valid: distinct arms among {ARMS}")
+    if "kernel" in arms and jax.default_backend() != "gpu":
+        p.error(f"--attention: 'kernel' needs a GPU (this backend: {jax.default_backend()})")
     cfg = bench_memory.model_config(args.model).replace(moe_chunk=args.moe_chunk)
     heads = f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}"
     kind = jax.devices()[0].device_kind
     print(f"{args.model}: {kind}, {cfg.num_layers} layers, {heads}, {cfg.dtype}, {args.rows} rows")
     bandwidth = bench_rollout.read_bandwidth_gbs()
     print(f"memory read bandwidth (a jitted 1 GiB row sum): {bandwidth:.1f} GB/s")
-    print("| context | prefill s | decode ms/step | output tokens/s | x step vs first | "
-          "KV cache GiB | GB a step reads | of the bandwidth | compile s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| context | attention | prefill s | decode ms/step | output tokens/s | x step vs first "
+          "| KV cache GiB | GB a step reads | of the bandwidth | compile s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for c in (int(x) for x in args.contexts.split(",")):
-        r = measure(cfg, c, rows=args.rows, new=args.new, reps=args.reps)
-        rows.append(r)
-        print(
-            f"| {c} | {r['prefill_s']:.2f} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | "
-            f"{r['step_ms'] / rows[0]['step_ms']:.2f} | {r['kv_cache_gib']:.3f} | "
-            f"{r['read_gb']:.4f} | {r['read_gbs'] / bandwidth:.2f} | {r['compile_s']:.1f} |",
-            flush=True,
-        )
+        for r in measure(cfg, c, rows=args.rows, new=args.new, reps=args.reps, arms=arms):
+            first = next(x for x in rows + [r] if x["attention"] == r["attention"])
+            rows.append(r)
+            print(
+                f"| {c} | {r['attention']} | {r['prefill_s']:.2f} | {r['step_ms']:.1f} | "
+                f"{r['tokens_per_s']:.1f} | {r['step_ms'] / first['step_ms']:.2f} | "
+                f"{r['kv_cache_gib']:.3f} | {r['read_gb']:.4f} | {r['read_gbs'] / bandwidth:.2f} | "
+                f"{r['compile_s']:.1f} |",
+                flush=True,
+            )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -1,25 +1,39 @@
 #!/usr/bin/env bash
-# The GPU check (issue 35): run first whenever a GPU is lent; under 5 minutes on one H100/H200.
+# The GPU check (issues 35, 53, 54): run first whenever a GPU is lent; about 9 minutes on one
+# H200 with BUDGET=540 (run 7: the tests alone took over 90 s, Mosaic GPU compiles are slow).
 #
-#   bash experiments/gpu_check.sh [OUT]       (OUT: where the logs and JSON go; default /tmp/gpu)
-#   ONLY=decode,step bash experiments/gpu_check.sh     (some sections; default all but step, moe, cmdbuf)
-#
-# On the lent machine (its own JAX with CUDA, flax, optax, chex, orbax are there) carry the
-# wheels it lacks in .whl (docs/gpu/README.md): ml_collections, grain, array_record, portpicker,
-# tensorboardX, math-verify, latex2sympy2_extended, antlr4-python3-runtime. Sections, each under
-# its own time limit so that one hang does not cost the rest:
+#   BUDGET=540 bash experiments/gpu_check.sh [OUT]  (OUT: the logs and JSON; default /tmp/gpu)
+#   ONLY=decode,step bash experiments/gpu_check.sh  (some sections; default: machine, tests,
+#                                                   longdecode, decode, tiles)
+# BUDGET (seconds in all): each section's limit is cut to what is left, and a section with under
+# 30 s left is skipped. On the lent machine (its own JAX with CUDA, flax, optax, chex, orbax are
+# there) carry the wheels it lacks in .whl (docs/gpu/README.md "Run 7"): ml_collections, grain,
+# array_record, portpicker, tensorboardX, math-verify, latex2sympy2_extended,
+# antlr4-python3-runtime. Sections, in this order, each under its own time limit so that one
+# hang does not cost the rest:
 #   machine: GPU, driver, JAX and its devices, a copy to host memory and back (offload_state);
 #   tests:   the GPU subset: the Triton and Mosaic GPU grouped matmuls compiled, against the
-#            group loop (values and gradients) and the per-expert loop (every dispatch path);
+#            group loop (values and gradients) and the per-expert loop (every dispatch path),
+#            the decode-attention kernel compiled against the whole-buffer softmax;
+#   longdecode: bench_long_decode.py: decode steps over 1k / 8k / 32k tokens of context, 4
+#            layers of Qwen3-30B-A3B's shape in bf16, 16 rows, against the bandwidth, XLA's
+#            attention over the cache buffer against `gpu_attention`'s Triton kernel over the
+#            filled slots (layers.GPU_BLOCKED_DECODE), alternated (run 7, XLA alone: 0.23 of
+#            the read bandwidth at 32k; docs/performance.md "Decoding at a reasoning trace's
+#            length");
+#   aot:     (asked for by name) aot.py's estimate checked: 2 layers of the Qwen3-30B-A3B preset
+#            at 4k tokens, its update / pi_old / rollout compiled on this GPU (--local) and each
+#            program run on the GPU against its roofline (--run); run 7: 8 layers' update took
+#            over 230 s to compile and over 18 GiB of host memory;
 #   decode:  bench_moe.py --only decode on the 1.9B bench MoE: kernels per decode step and
 #            tokens/s, bf16 and FP8 weights, B=8 and B=64, XLA's ragged_dot against the Triton
 #            grouped matmul (`moe.expert_ffn(impl="triton")`: only the touched experts read, FP8
 #            read as FP8);
 #   tiles:   bench_moe.py --only tiles: the Triton path's forward at decode rows, bf16 and FP8
 #            experts, per tile setting (split contraction, FP8 x FP8 rows among them);
-#   attention: bench_moe.py --only attention: decode at 1024 and 4096 new tokens, attention over
-#            the whole cache buffer against the filled slots only (`gpu_attention`'s Triton
-#            kernel, layers.GPU_BLOCKED_DECODE), alternated;
+#   attention: (asked for by name; run 7 spent its 100 s compiling) bench_moe.py --only
+#            attention: the bench MoE's sampler at 1024 and 4096 new tokens, attention over the
+#            whole cache buffer against the filled slots only, alternated;
 #   step:    (asked for by name; run 5: 0.331 s) experiments/bench_train.py: make run's job
 #            (configs/default.py, no warm start) and the same on a Qwen3-30B-A3B-shaped MoE
 #            (default:qwen3_shape), the RL step per phase;
@@ -27,20 +41,15 @@
 #            every MoE dispatch path (is XLA's ragged_dot a grouped GEMM here, or dense over
 #            every expert?) and the grouped-matmul A/B (XLA ragged_dot, capacity, blocked, Mosaic
 #            GPU, Triton), forward at decode rows and forward + backward at update rows;
-#   longdecode: (asked for by name) bench_long_decode.py: decode steps over 1k / 8k / 32k tokens
-#            of context, 4 layers of Qwen3-30B-A3B's shape in bf16, 16 rows, against the
-#            bandwidth (docs/performance.md "Decoding at a reasoning trace's length");
-#   aot:     (asked for by name) aot.py's estimate checked: 8 layers of the Qwen3-30B-A3B preset
-#            at 4k tokens, its update / pi_old / rollout compiled on this GPU (--local) and on one
-#            emulated CPU device, the per-device memory of each side by side, and each program
-#            run on the GPU against its roofline (--run);
+#   aotcpu:  (asked for by name; needs no GPU: run it anywhere) aot's programs compiled on one
+#            emulated CPU device, its per-device memory to set beside the GPU's;
 #   cmdbuf:  (asked for by name) decode rows with XLA's command buffers (CUDA graphs) taking the
 #            while loops too (XLA_FLAGS below; 0.78-0.93x without them on an H100, run 3).
 # Measured before (docs/gpu/README.md): FP8 matmul forms (--only fp8), 8 decode steps per check
 # (no gain on an H100), the scanned layer layout.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu}}
-ONLY=${ONLY:-machine,tests,decode,tiles,attention}
+ONLY=${ONLY:-machine,tests,longdecode,decode,tiles}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -49,10 +58,16 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 t0=$SECONDS
-on() { [[ ",$ONLY," == *",$1,"* ]] && echo && echo "== $1 ($((SECONDS - t0)) s)"; }
+left() { local l=$((${BUDGET:-100000} - (SECONDS - t0))); echo $((l < $1 ? l : $1)); }
+on() {
+  [[ ",$ONLY," == *",$1,"* ]] || return 1
+  if (($(left 30) < 30)); then echo && echo "== $1 skipped: BUDGET spent" && return 1; fi
+  echo && echo "== $1 ($((SECONDS - t0)) s)"
+}
 quiet() { grep -v "^W0000\|^I0000"; }
 DECODE=base:per-layer:8:ragged:1,base:per-layer:8:triton:1,base:per-layer:64:ragged:1
 DECODE=$DECODE,base:per-layer:64:triton:1,fp8:per-layer:8:triton:1,fp8:per-layer:64:triton:1
+AOT="--config configs/qwen3_moe.py:30b_a3b --set model.num_layers=2 --gpus 1 --mesh data=1 --full"
 CMDBUF=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
 
 if on machine; then
@@ -65,45 +80,47 @@ h = jax.device_put(x, sharding.in_memory(sh, sharding.HOST_MEMORY))
 print('offload:', h.sharding.memory_kind, 'and back equal:', bool((jax.device_put(h, sh) == x).all()))"
 fi
 if on tests; then
-  timeout 90 $PY -m pytest -q -p no:cacheprovider tests/model/test_grouped.py \
+  timeout $(left 180) $PY -m pytest -q -p no:cacheprovider tests/model/test_grouped.py \
     tests/model/test_moe.py tests/model/test_decode_attention.py \
     -k "triton or mosaic or gpu or skewed" \
     2>&1 | tee "$OUT/tests.log" | tail -15
 fi
-if on decode; then
-  timeout 200 $PY experiments/bench_moe.py --only decode --decode "$DECODE" \
-    --json "$OUT/decode.json" --cache /tmp/jax_cache 2>&1 | tee "$OUT/decode.log" | quiet
-fi
-if on tiles; then
-  timeout 60 $PY experiments/bench_moe.py --only tiles --json "$OUT/tiles.json" \
-    --cache /tmp/jax_cache 2>&1 | tee "$OUT/tiles.log" | quiet
-fi
-if on attention; then
-  timeout 100 $PY experiments/bench_moe.py --only attention --json "$OUT/attention.json" \
-    --cache /tmp/jax_cache 2>&1 | tee "$OUT/attention.log" | quiet
-fi
-if on step; then
-  timeout 300 $PY experiments/bench_train.py --configs default,default:qwen3_shape --steps 5 \
-    2>&1 | tee -a "$OUT/step.log" | quiet | tail -4
-fi
-if on moe; then
-  timeout ${MOE_LIMIT:-120} $PY experiments/bench_moe.py --only hlo,gmm --json "$OUT/moe.json" \
-    --cache /tmp/jax_cache 2>&1 | tee "$OUT/moe.log" | quiet
-fi
 if on longdecode; then
-  timeout 300 $PY experiments/bench_long_decode.py --model qwen3_L4 --rows 16 --new 64 \
-    --reps 1 --moe-chunk 4096 --contexts 1024,8192,32768 --json "$OUT/longdecode.json" \
+  timeout $(left 300) $PY experiments/bench_long_decode.py --model qwen3_L4 --rows 16 --new 64 \
+    --reps 1 --moe-chunk 4096 --contexts 1024,8192,32768 --attention xla,kernel \
+    --json "$OUT/longdecode.json" \
     2>&1 | tee "$OUT/longdecode.log" | quiet
 fi
 if on aot; then
-  AOT="--config configs/qwen3_moe.py:30b_a3b --set model.num_layers=8 --gpus 1 --mesh data=1 --full"
-  timeout 240 $PY experiments/aot.py $AOT --chip h200 --local --run --json "$OUT/aot_gpu.json" \
-    2>&1 | tee "$OUT/aot_gpu.log" | quiet | grep "^|"
-  timeout 300 $PY experiments/aot.py $AOT --chip h200 --json "$OUT/aot_emulated.json" \
+  timeout $(left 300) $PY experiments/aot.py $AOT --chip h200 --local --run --max-rss-gb 100 \
+    --json "$OUT/aot_gpu.json" 2>&1 | tee "$OUT/aot_gpu.log" | quiet | grep "^|"
+fi
+if on decode; then
+  timeout $(left 200) $PY experiments/bench_moe.py --only decode --decode "$DECODE" \
+    --json "$OUT/decode.json" --cache /tmp/jax_cache 2>&1 | tee "$OUT/decode.log" | quiet
+fi
+if on tiles; then
+  timeout $(left 60) $PY experiments/bench_moe.py --only tiles --json "$OUT/tiles.json" \
+    --cache /tmp/jax_cache 2>&1 | tee "$OUT/tiles.log" | quiet
+fi
+if on attention; then
+  timeout $(left 100) $PY experiments/bench_moe.py --only attention --json "$OUT/attention.json" \
+    --cache /tmp/jax_cache 2>&1 | tee "$OUT/attention.log" | quiet
+fi
+if on step; then
+  timeout $(left 300) $PY experiments/bench_train.py --configs default,default:qwen3_shape --steps 5 \
+    2>&1 | tee -a "$OUT/step.log" | quiet | tail -4
+fi
+if on moe; then
+  timeout $(left ${MOE_LIMIT:-120}) $PY experiments/bench_moe.py --only hlo,gmm --json "$OUT/moe.json" \
+    --cache /tmp/jax_cache 2>&1 | tee "$OUT/moe.log" | quiet
+fi
+if on aotcpu; then
+  timeout $(left 900) $PY experiments/aot.py $AOT --chip h200 --json "$OUT/aot_emulated.json" \
     2>&1 | tee "$OUT/aot_emulated.log" | quiet | grep "^|"
 fi
 if on cmdbuf; then
-  XLA_FLAGS="$CMDBUF" timeout 100 $PY experiments/bench_moe.py --only decode \
+  XLA_FLAGS="$CMDBUF" timeout $(left 100) $PY experiments/bench_moe.py --only decode \
     --decode base:per-layer:8:ragged:1,base:per-layer:64:ragged:1,base:per-layer:8:triton:1 \
     --json "$OUT/cmdbuf.json" --cache /tmp/jax_cache_cmdbuf 2>&1 | tee "$OUT/cmdbuf.log" | quiet
 fi

@@ -210,7 +210,7 @@ class Attention(nn.Module):
 # A decode step attends over the filled cache slots only, DECODE_BLOCK slots at a time, once the
 # cache holds at least two blocks (`blocked_decode`). On CPU the block loop is XLA's; on a GPU
 # (its trip count would be read on the host each layer) it runs inside `gpu_attention`'s Triton
-# kernel, behind GPU_BLOCKED_DECODE until a GPU measures it (bench_moe.py --only attention).
+# kernel, behind GPU_BLOCKED_DECODE until a GPU times it (bench_long_decode.py --attention).
 DECODE_BLOCK = 256
 GPU_BLOCKED_DECODE = False
 

@@ -10,7 +10,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "experiment
 import bench_long_decode  # noqa: E402
 import bench_memory  # noqa: E402
 
-from espo.model import handle  # noqa: E402
+from espo.model import handle, layers  # noqa: E402
 from espo.model.config import ModelConfig  # noqa: E402
 
 # A TPU-style dump: tiled layouts hold parentheses, temporaries come in several colours.
@@ -62,6 +62,31 @@ def test_kv_cache_size_is_the_caches_bytes():
 
 
 def test_long_decode_measures_a_step_over_the_cache():
-    r = bench_long_decode.measure(ModelConfig.tiny(), 40, rows=2, new=3, reps=1)
+    (r,) = bench_long_decode.measure(ModelConfig.tiny(), 40, rows=2, new=3, reps=1)
     assert r["step_ms"] > 0 and r["prefill_s"] > 0 and r["tokens_per_s"] > 0
-    assert r["read_gb"] > 0
+    assert r["read_gb"] > 0 and r["attention"] == "xla"
+
+
+def test_long_decode_traces_each_attention_arm_with_its_own_switch(monkeypatch):
+    """The "kernel" arm's step is traced with GPU_BLOCKED_DECODE on, the "xla" arm's off (on
+    this CPU the switch changes nothing, so the switch is read where the step reads it)."""
+    seen, blocked_decode = [], layers.blocked_decode
+
+    def spy(query_length, cache_length):
+        if query_length == 1:  # a decode step, not the prefill
+            seen.append(layers.GPU_BLOCKED_DECODE)
+        return blocked_decode(query_length, cache_length)
+
+    monkeypatch.setattr(layers, "blocked_decode", spy)
+    cfg = ModelConfig.tiny(num_layers=1)
+    rows = bench_long_decode.measure(cfg, 40, rows=2, new=2, reps=2, arms=("kernel", "xla"))
+    assert [r["attention"] for r in rows] == ["kernel", "xla"]
+    assert seen == [True, False]  # each arm traced once, then its compiled step reused
+    assert layers.GPU_BLOCKED_DECODE is False
+
+
+@pytest.mark.parametrize("arms", ["kernel", "xla,xla", "xla,triton"])
+def test_long_decode_refuses_an_arm_it_cannot_run(arms, capsys):
+    with pytest.raises(SystemExit) as err:
+        bench_long_decode.main(["--attention", arms, "--contexts", "40"])
+    assert err.value.code == 2 and "--attention" in capsys.readouterr().err
