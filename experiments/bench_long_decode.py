@@ -20,9 +20,12 @@ step time grows with C only through the cache's bytes; the prefill over the cach
 blocked attention (linear memory) from 1,024 slots up.
 
 Attention arms (`--attention`, alternated within each repetition over one prefilled cache):
-"xla" = the step as the sampler takes it by default (CPU: `layers.decode_attention`'s block
-loop in XLA; GPU: XLA's softmax over the whole cache buffer); "kernel" (GPU only) =
-`layers.GPU_BLOCKED_DECODE` on: `gpu_attention`'s Triton kernel over the filled slots.
+"auto" = the step as the sampler takes it by default (CPU: `layers.decode_attention`'s block
+loop over the filled slots in XLA; GPU: the dense softmax over the whole cache buffer, two
+batched matmuls); on a GPU only: "blocked" = `model.attention_impl="blocked"`, XLA's
+FlashAttention loop over the buffer's key blocks (the default until run 7, docs/gpu), and
+"kernel" = `layers.GPU_BLOCKED_DECODE` on, `gpu_attention`'s Triton kernel over the filled
+slots.
 
 Models (`--model`): "default" = configs/default.py's model (float32); "qwen3_L<n>" = n layers
 of `ModelConfig.qwen3_30b_a3b` (bf16; too slow for this CPU at long contexts).
@@ -55,11 +58,12 @@ def kv_cache_gib(cfg, rows: int, slots: int) -> float:
     return n * itemsize / 2**30
 
 
-ARMS = ("xla", "kernel")
+# arm: (model.attention_impl, layers.GPU_BLOCKED_DECODE) of its decode step (module docstring)
+ARMS = {"auto": ("auto", False), "blocked": ("blocked", False), "kernel": ("auto", True)}
 
 
 def measure(
-    cfg, context: int, *, rows: int, new: int, reps: int, seed: int = 0, arms=("xla",)
+    cfg, context: int, *, rows: int, new: int, reps: int, seed: int = 0, arms=("auto",)
 ) -> list[dict]:
     """One context's prefill and decode step, one row per attention arm (module docstring)."""
     model = handle.Model(cfg)
@@ -74,13 +78,16 @@ def measure(
     )  # fmt: skip
 
     def decode_step(arm):  # GPU_BLOCKED_DECODE is read while tracing: each arm its own jit
+        impl, gpu_blocked = ARMS[arm]
+        arm_model = handle.Model(cfg.replace(attention_impl=impl))
+
         def forward(p, tok, c):
-            return model.forward(p, tok, attention_mask=jnp.ones_like(tok, bool), cache=c)
+            return arm_model.forward(p, tok, attention_mask=jnp.ones_like(tok, bool), cache=c)
 
         fn = jax.jit(forward, donate_argnums=2)
 
         def run(*a):
-            with mock.patch.object(layers, "GPU_BLOCKED_DECODE", arm == "kernel"):
+            with mock.patch.object(layers, "GPU_BLOCKED_DECODE", gpu_blocked):
                 return fn(*a)
 
         return run
@@ -131,14 +138,15 @@ def main(argv=None) -> None:
     p.add_argument("--new", type=int, default=128, help="decode steps timed")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--moe-chunk", type=int, default=0, help="model.moe_chunk (the prefill's)")
-    p.add_argument("--attention", default="xla", help=f"comma-separated arms among {ARMS}")
+    p.add_argument("--attention", default="auto", help=f"comma-separated arms among {[*ARMS]}")
     p.add_argument("--json", default="", help="write the rows here")
     args = p.parse_args(argv)
     arms = tuple(args.attention.split(","))
     if not set(arms) <= set(ARMS) or len(set(arms)) < len(arms):
-        p.error(f"--attention: {args.attention!r}; valid: distinct arms among {ARMS}")
-    if "kernel" in arms and jax.default_backend() != "gpu":
-        p.error(f"--attention: 'kernel' needs a GPU (this backend: {jax.default_backend()})")
+        p.error(f"--attention: {args.attention!r}; valid: distinct arms among {[*ARMS]}")
+    if set(arms) - {"auto"} and jax.default_backend() != "gpu":
+        p.error(f"--attention: {args.attention!r}: arms other than 'auto' need a GPU "
+                f"(this backend: {jax.default_backend()})")  # fmt: skip
     cfg = bench_memory.model_config(args.model).replace(moe_chunk=args.moe_chunk)
     heads = f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}"
     kind = jax.devices()[0].device_kind

@@ -16,11 +16,11 @@
 #            group loop (values and gradients) and the per-expert loop (every dispatch path),
 #            the decode-attention kernel compiled against the whole-buffer softmax;
 #   longdecode: bench_long_decode.py: decode steps over 1k / 8k / 32k tokens of context, 4
-#            layers of Qwen3-30B-A3B's shape in bf16, 16 rows, against the bandwidth, XLA's
-#            attention over the cache buffer against `gpu_attention`'s Triton kernel over the
-#            filled slots (layers.GPU_BLOCKED_DECODE), alternated (run 7, XLA alone: 0.23 of
-#            the read bandwidth at 32k; docs/performance.md "Decoding at a reasoning trace's
-#            length");
+#            layers of Qwen3-30B-A3B's shape in bf16, 16 rows, against the bandwidth, three
+#            attentions alternated: the default now (dense over the cache buffer), XLA's
+#            blocked loop (run 7's default: 0.23 of the read bandwidth at 32k) and
+#            `gpu_attention`'s Triton kernel over the filled slots (layers.GPU_BLOCKED_DECODE);
+#            docs/performance.md "Decoding at a reasoning trace's length";
 #   aot:     (asked for by name) aot.py's estimate checked: 2 layers of the Qwen3-30B-A3B preset
 #            at 4k tokens, its update / pi_old / rollout compiled on this GPU (--local) and each
 #            program run on the GPU against its roofline (--run); run 7: 8 layers' update took
@@ -87,7 +87,7 @@ if on tests; then
 fi
 if on longdecode; then
   timeout $(left 300) $PY experiments/bench_long_decode.py --model qwen3_L4 --rows 16 --new 64 \
-    --reps 1 --moe-chunk 4096 --contexts 1024,8192,32768 --attention xla,kernel \
+    --reps 1 --moe-chunk 4096 --contexts 1024,8192,32768 --attention auto,blocked,kernel \
     --json "$OUT/longdecode.json" \
     2>&1 | tee "$OUT/longdecode.log" | quiet
 fi

@@ -19,7 +19,9 @@ the same function; the blocked form does so one [B, block_q, block_k] tile at a 
   neither pass holds more than one [B, N, block_q, G, block_k] tile: memory linear in T and S.
   Exact against "dense" for every query with at least one visible key; a query that sees no
   key (a padding query) gets output 0 and no gradient (the dense form averages the values).
-* "auto" (`default_impl`): "blocked" once the keys span two blocks, "dense" below.
+* "auto" (`default_impl`): "blocked" once the keys span two blocks, "dense" below; on a GPU also
+  "dense" for one query a row over a cache (a decode step without `layers.GPU_BLOCKED_DECODE`:
+  its logits [B, N, G, S] are smaller than the layer's cache, read once by two batched matmuls).
 """
 
 from __future__ import annotations
@@ -71,13 +73,17 @@ def attention_mask(
     return visible
 
 
-def default_impl(num_keys: int, *, own_keys: bool = False, sliding_window=None) -> str:
-    """The form "auto" takes for `num_keys` key slots: dense below two key blocks; above, on a
-    TPU splash attention for a forward's own keys (`own_keys`), on a GPU the Pallas Triton
-    kernel where it is on (`GPU_KERNEL`, no sliding window), else blocked (XLA)."""
-    if num_keys < 2 * BLOCK_K:
-        return "dense"
+def default_impl(
+    num_keys: int, *, own_keys: bool = False, sliding_window=None, num_queries: int = 0
+) -> str:
+    """The form "auto" takes for `num_keys` key slots and `num_queries` query tokens a row:
+    dense below two key blocks; above, on a TPU splash attention for a forward's own keys
+    (`own_keys`), on a GPU the Pallas Triton kernel where it is on (`GPU_KERNEL`, no sliding
+    window) and dense for one query over a cache (a decode step: on an H200 the blocked loop
+    over a 32k-slot cache read it at 11% of the bandwidth, docs/gpu run 7), else blocked (XLA)."""
     backend = jax.default_backend()
+    if num_keys < 2 * BLOCK_K or (backend == "gpu" and num_queries == 1 and not own_keys):
+        return "dense"
     if own_keys and backend == "tpu":
         return "splash"
     if own_keys and backend == "gpu" and GPU_KERNEL and sliding_window is None:
@@ -117,10 +123,13 @@ def attend(
         raise errors.InvalidValue("", "attention_impl", impl, f"one of {IMPLS}")
     if (q_segments is None) != (kv_segments is None):
         raise ValueError("q_segments and kv_segments are given together (packed rows) or not")
+    T = q_positions.shape[1]
     if impl == "auto":
-        impl = default_impl(k.shape[2], own_keys=own_keys, sliding_window=sliding_window)
+        impl = default_impl(
+            k.shape[2], own_keys=own_keys, sliding_window=sliding_window, num_queries=T
+        )
     if impl in KERNELS and not own_keys:  # a cache's slots: the kernels' masks do not apply
-        impl = default_impl(k.shape[2])
+        impl = default_impl(k.shape[2], num_queries=T)
     shards = _row_shards()
     if impl in KERNELS and q.shape[0] % shards:  # rows a mesh cannot split: XLA partitions
         impl = "blocked"
@@ -168,12 +177,15 @@ def _row_shards() -> int:
 
 
 def _dense(q, k, v, mask, *, dtype):
-    """The materialised form: logits [B, N, T, G, S] in float32, masked, softmax."""
+    """The materialised form: logits [B, N, T, G, S] in float32 (the matmul's output too, as
+    the blocked form's tiles: not rounded to a bf16 `dtype` first), masked, softmax."""
     B, N, TG, Dh = q.shape
     T = mask.shape[1]
     batch_dims = ((0, 1), (0, 1))
-    logits = jax.lax.dot_general(q, k.astype(dtype), (((3,), (3,)), batch_dims))
-    logits = logits.astype(jnp.float32).reshape(B, N, T, TG // T, -1) * (Dh**-0.5)
+    logits = jax.lax.dot_general(
+        q, k.astype(dtype), (((3,), (3,)), batch_dims), preferred_element_type=jnp.float32
+    )
+    logits = logits.reshape(B, N, T, TG // T, -1) * (Dh**-0.5)
     logits = jnp.where(mask[:, None, :, None, :], logits, MASK_VALUE)  # [B, N, T, G, S]
     probs = jax.nn.softmax(logits, axis=-1).astype(dtype).reshape(B, N, TG, -1)
     return jax.lax.dot_general(probs, v.astype(dtype), (((3,), (2,)), batch_dims))

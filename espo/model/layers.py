@@ -254,8 +254,10 @@ def decode_attention(
         v = jax.lax.dynamic_slice(cache_v, (0, 0, start, 0), window)
         visible = jax.lax.dynamic_slice(mask, (0, 0, start), (B, T, block))
         visible &= start + jnp.arange(block) >= first  # not the previous block's slots again
-        s = jax.lax.dot_general(q, k.astype(dtype), (((3,), (3,)), batch_dims))
-        s = s.astype(jnp.float32).reshape(B, N, T, G, block) * (Dh**-0.5)
+        s = jax.lax.dot_general(
+            q, k.astype(dtype), (((3,), (3,)), batch_dims), preferred_element_type=jnp.float32
+        )  # float32 logits, as the GPU kernel's (not rounded to a bf16 dtype first)
+        s = s.reshape(B, N, T, G, block) * (Dh**-0.5)
         s = jnp.where(visible[:, None, :, None, :], s, _MASK_VALUE).reshape(B, N, TG, block)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])

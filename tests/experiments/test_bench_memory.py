@@ -64,28 +64,32 @@ def test_kv_cache_size_is_the_caches_bytes():
 def test_long_decode_measures_a_step_over_the_cache():
     (r,) = bench_long_decode.measure(ModelConfig.tiny(), 40, rows=2, new=3, reps=1)
     assert r["step_ms"] > 0 and r["prefill_s"] > 0 and r["tokens_per_s"] > 0
-    assert r["read_gb"] > 0 and r["attention"] == "xla"
+    assert r["read_gb"] > 0 and r["attention"] == "auto"
 
 
-def test_long_decode_traces_each_attention_arm_with_its_own_switch(monkeypatch):
-    """The "kernel" arm's step is traced with GPU_BLOCKED_DECODE on, the "xla" arm's off (on
-    this CPU the switch changes nothing, so the switch is read where the step reads it)."""
-    seen, blocked_decode = [], layers.blocked_decode
-
-    def spy(query_length, cache_length):
-        if query_length == 1:  # a decode step, not the prefill
-            seen.append(layers.GPU_BLOCKED_DECODE)
-        return blocked_decode(query_length, cache_length)
-
-    monkeypatch.setattr(layers, "blocked_decode", spy)
+def test_long_decode_traces_each_attention_arm_with_its_own_settings(monkeypatch):
+    """Each arm's step is traced with its own settings: "kernel" with GPU_BLOCKED_DECODE on,
+    "blocked" with model.attention_impl "blocked", "auto" with neither (on this CPU they change
+    nothing, so they are read where the step reads them)."""
+    seen, attend = [], layers.attention.attend
     cfg = ModelConfig.tiny(num_layers=1)
-    rows = bench_long_decode.measure(cfg, 40, rows=2, new=2, reps=2, arms=("kernel", "xla"))
-    assert [r["attention"] for r in rows] == ["kernel", "xla"]
-    assert seen == [True, False]  # each arm traced once, then its compiled step reused
+
+    def spy(*args, impl, **kw):
+        if not kw["own_keys"] and args[0].shape[2] == cfg.num_heads // cfg.num_kv_heads:
+            seen.append((impl, layers.GPU_BLOCKED_DECODE))
+        return attend(*args, impl=impl, **kw)
+
+    monkeypatch.setattr(layers.attention, "attend", spy)
+    arms = ("kernel", "auto", "blocked")
+    rows = bench_long_decode.measure(cfg, 40, rows=2, new=2, reps=2, arms=arms)
+    assert [r["attention"] for r in rows] == list(arms)
+    # a decode step (one token over the cache) of each arm, traced once, then its compiled
+    # step reused
+    assert seen == [("auto", True), ("auto", False), ("blocked", False)]
     assert layers.GPU_BLOCKED_DECODE is False
 
 
-@pytest.mark.parametrize("arms", ["kernel", "xla,xla", "xla,triton"])
+@pytest.mark.parametrize("arms", ["kernel", "blocked", "auto,auto", "auto,triton"])
 def test_long_decode_refuses_an_arm_it_cannot_run(arms, capsys):
     with pytest.raises(SystemExit) as err:
         bench_long_decode.main(["--attention", arms, "--contexts", "40"])

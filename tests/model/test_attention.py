@@ -208,15 +208,41 @@ def test_default_impl_by_backend_and_length():
     long = 2 * attention.BLOCK_K
     assert attention.default_impl(long - 1) == "dense"
     assert attention.default_impl(long) == "blocked"
+    assert attention.default_impl(long, num_queries=1) == "blocked"  # CPU: decode_attention
     with mock.patch.object(jax, "default_backend", lambda: "tpu"):
         assert attention.default_impl(long, own_keys=True) == "splash"
         assert attention.default_impl(long, own_keys=False) == "blocked"
+        assert attention.default_impl(long, num_queries=1) == "blocked"
     with mock.patch.object(jax, "default_backend", lambda: "gpu"):
         assert attention.default_impl(long, own_keys=True) == "triton"
         assert attention.default_impl(long, own_keys=True, sliding_window=4) == "blocked"
         assert attention.default_impl(long, own_keys=False) == "blocked"
+        # A decode step (one query a row over a cache) reads the cache once, in two matmuls.
+        assert attention.default_impl(long, num_queries=1) == "dense"
+        assert attention.default_impl(long, num_queries=1, sliding_window=4) == "dense"
+        assert attention.default_impl(long, num_queries=2) == "blocked"
         with mock.patch.object(attention, "GPU_KERNEL", False):
             assert attention.default_impl(long, own_keys=True) == "blocked"
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_a_gpu_decode_step_over_a_long_cache_takes_the_dense_form(T):
+    """ "auto" on a GPU: one query a row over a cache of two key blocks and more is the dense
+    form (the blocked loop never runs), equal to the blocked one; two queries stay blocked."""
+    S = 2 * attention.BLOCK_K + 3
+    q, k, v, _ = _qkvw(2, 2, 3, T, S, 8, seed=T)
+    kv_positions = np.where(np.arange(S) < S - 40, np.arange(S), -1)[None].repeat(2, 0)
+    kv_positions[0, :100] = -1  # left padding in row 0
+    kw = dict(q_positions=np.full((2, T), S - 41) + np.arange(T), kv_positions=kv_positions)
+    want = attention.attend(q, k, v, **_jnp(kw), impl="blocked")
+    flash = mock.Mock(wraps=attention._flash)
+    with (
+        mock.patch.object(jax, "default_backend", lambda: "gpu"),
+        mock.patch.object(attention, "_flash", flash),
+    ):
+        got = attention.attend(q, k, v, **_jnp(kw))
+    assert flash.call_count == (T > 1)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -246,3 +272,22 @@ def test_a_decode_step_over_a_long_cache_is_one_query_not_a_padded_block():
     fwd = lambda q, k, v: attention.attend(q, k, v, impl="blocked", **kw)  # noqa: E731
     flops = roofline.total_flops(roofline.jaxpr_dots(jax.make_jaxpr(fwd)(q, k, v)))
     assert flops <= 2 * (2 * 2 * B * 2 * G * S * 8)  # q.k and p.v over every slot, x2 slack
+
+
+def test_dense_form_keeps_bf16_logits_in_float32():
+    """bf16 queries and keys whose logits reach ~+-30: the dense form's softmax sees the
+    matmul's float32 logits (as the blocked form's tiles do), not logits rounded to bf16 (an
+    error of ~0.06 at 30, a 6% change in a probability)."""
+    B, N, G, S, Dh = 1, 1, 4, 64, 16
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = (jax.random.normal(ks[0], (B, N, G, Dh)) * 3).astype(jnp.bfloat16)
+    k = (jax.random.normal(ks[1], (B, N, S, Dh)) * 3).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, N, S, Dh)).astype(jnp.bfloat16)
+    kw = dict(q_positions=jnp.full((B, 1), S - 1), kv_positions=jnp.arange(S)[None])
+    got = attention.attend(q, k, v, **kw, dtype=jnp.bfloat16, impl="dense")
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+    logits = np.einsum("bngd,bnsd->bngs", q64, k64) / np.sqrt(Dh)
+    assert np.abs(logits).max() > 20
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("bngs,bnsd->bngd", p / p.sum(-1, keepdims=True), v64)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2**-7, rtol=2**-7)

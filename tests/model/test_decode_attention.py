@@ -115,6 +115,19 @@ def test_bf16_blocks_combine_in_float32():
     np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(jnp.bfloat16))
 
 
+def test_bf16_logits_stay_float32():
+    """bf16 queries and keys whose scaled logits reach ~+-30: each block's softmax sees the
+    matmul's float32 logits, not logits rounded to bf16 (an error of ~0.06 at 30)."""
+    S, filled = 64, 50
+    q, cache_k, cache_v = _random_cache(7, B=1, S=S, Dh=16, dtype=jnp.bfloat16, q_scale=9.0)
+    mask = (np.arange(S) < filled)[None]
+    logits = np.einsum("bngd,bnsd->bngs", *(np.asarray(a, np.float64) for a in (q, cache_k)))
+    assert np.abs(logits[..., :filled]).max() / 4 > 20
+    want = _softmax_attention(q, cache_k, cache_v, mask)
+    got = _blocked(q, cache_k, cache_v, mask, filled=filled, block=16, dtype=jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2**-7, rtol=2**-7)
+
+
 def test_blocked_decode_is_one_token_a_row_on_a_long_cpu_cache():
     with mock.patch.object(layers, "DECODE_BLOCK", 8):
         assert layers.blocked_decode(1, 16) and not layers.blocked_decode(1, 15)
