@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/default.py
 
 # test-fast: the inner loop, without the slow, multi-process and GPU tests (pyproject markers).
-.PHONY: run test test-fast lint format clean mutmut
+.PHONY: run test test-fast lint format clean mutmut gpu-wheels
 
 # constraints.txt pins every package to the version the README's numbers were measured with.
 $(VENV)/.installed: setup.py constraints.txt
@@ -44,3 +44,14 @@ mutmut: $(VENV)/.installed-dev
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache mutants
+
+# The wheels a lent GPU machine lacks (its image has JAX with CUDA, flax, optax, chex, orbax),
+# pinned by constraints.txt, for experiments/gpu_check.sh to install from .whl/ (ignored by git;
+# the device tool's `carry` takes it there): docs/gpu/README.md "Run 7".
+GPU_WHEELS = antlr4-python3-runtime array_record grain latex2sympy2_extended math-verify \
+	ml_collections portpicker tensorboardX
+gpu-wheels: $(VENV)/.installed
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -c constraints.txt \
+	  -d .whl $(GPU_WHEELS)

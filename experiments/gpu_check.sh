@@ -7,10 +7,8 @@
 #                                                   longdecode, decode, tiles)
 # BUDGET (seconds in all): each section's limit is cut to what is left, and a section with under
 # 30 s left is skipped. On the lent machine (its own JAX with CUDA, flax, optax, chex, orbax are
-# there) carry the wheels it lacks in .whl (docs/gpu/README.md "Run 7"): ml_collections, grain,
-# array_record, portpicker, tensorboardX, math-verify, latex2sympy2_extended,
-# antlr4-python3-runtime. Sections, in this order, each under its own time limit so that one
-# hang does not cost the rest:
+# there) carry the wheels it lacks in .whl/ (`make gpu-wheels` here; docs/gpu/README.md "Run 7").
+# Sections, in this order, each under its own time limit so that one hang does not cost the rest:
 #   machine: GPU, driver, JAX and its devices, a copy to host memory and back (offload_state);
 #   tests:   the GPU subset: the Triton and Mosaic GPU grouped matmuls compiled, against the
 #            group loop (values and gradients) and the per-expert loop (every dispatch path),
