@@ -75,6 +75,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import traceback
 
 from aot_programs import (  # the compiling subprocess's half
     DECODING,
@@ -138,9 +139,17 @@ def parse_mesh(text: str) -> dict:
     return {a: sizes.get(a, 1) for a in ("data", "fsdp", "expert")}
 
 
+def _raised_at(e: BaseException, frames: int = 3) -> str:
+    """Where `e` was raised: its innermost `frames` frames as file:line, innermost first (an
+    error inside JAX or a library names the library's line, not only the program)."""
+    tb = traceback.extract_tb(e.__traceback__)[-frames:]
+    return " <- ".join(f"{pathlib.Path(f.filename).name}:{f.lineno}" for f in reversed(tb))
+
+
 def run_point(point: dict, timeout: float, extra_env: dict | None = None) -> dict:
     """`measure(point)` in a subprocess."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | (extra_env or {})
+    env.setdefault("JAX_TRACEBACK_FILTERING", "off")  # an error's frames inside JAX: `_raised_at`
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), str(ROOT / "experiments"), env.get("PYTHONPATH", "")) if p
     )
@@ -384,8 +393,10 @@ def main(argv=None) -> dict:
     if args.point:
         try:
             print(json.dumps(measure(json.loads(args.point))), flush=True)
-        except Exception as e:  # noqa: BLE001  # reported in the table, not a traceback
-            print(json.dumps({"error": f"{type(e).__name__}: {e}"[:600]}), flush=True)
+        except Exception as e:  # noqa: BLE001  # reported in the table with where it was raised
+            print(
+                json.dumps({"error": f"{_raised_at(e)}: {type(e).__name__}: {e}"[:600]}), flush=True
+            )
         return {}
     # This process only reads shapes: the CPU backend (libtpu, if on the path, would take the
     # TPU lockfile the compiling subprocess needs; a GPU's memory is left to it).

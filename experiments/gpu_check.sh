@@ -14,15 +14,17 @@
 #            group loop (values and gradients) and the per-expert loop (every dispatch path),
 #            the decode-attention kernel compiled against the whole-buffer softmax;
 #   longdecode: bench_long_decode.py: decode steps over 1k / 8k / 32k tokens of context, 4
-#            layers of Qwen3-30B-A3B's shape in bf16, 16 rows, against the bandwidth, three
-#            attentions alternated: the default now (dense over the cache buffer), XLA's
-#            blocked loop (run 7's default: 0.23 of the read bandwidth at 32k) and
-#            `gpu_attention`'s Triton kernel over the filled slots (layers.GPU_BLOCKED_DECODE);
-#            docs/performance.md "Decoding at a reasoning trace's length";
+#            layers of Qwen3-30B-A3B's shape in bf16, 16 rows, against the bandwidth, two
+#            attentions alternated: the default (`gpu_attention`'s Triton kernel over the filled
+#            slots, layers.GPU_BLOCKED_DECODE; run 8: 2.4 ms a step at 32k) and the dense
+#            softmax over the whole buffer (4.0 ms); docs/performance.md "Decoding at a
+#            reasoning trace's length";
 #   aot:     (asked for by name) aot.py's estimate checked: 2 layers of the Qwen3-30B-A3B preset
 #            at 4k tokens, its update / pi_old / rollout compiled on this GPU (--local) and each
 #            program run on the GPU against its roofline (--run); run 7: 8 layers' update took
-#            over 230 s to compile and over 18 GiB of host memory;
+#            over 230 s to compile and over 18 GiB of host memory; run 8: 2 layers over 300 s,
+#            and with AOT_EXTRA="--set model.attention_impl=blocked" (appended to aot.py's
+#            arguments) a KeyError from inside JAX 0.11.2 in 40 s (the table now names where);
 #   decode:  bench_moe.py --only decode on the 1.9B bench MoE: kernels per decode step and
 #            tokens/s, bf16 and FP8 weights, B=8 and B=64, XLA's ragged_dot against the Triton
 #            grouped matmul (`moe.expert_ffn(impl="triton")`: only the touched experts read, FP8
@@ -85,12 +87,13 @@ if on tests; then
 fi
 if on longdecode; then
   timeout $(left 300) $PY experiments/bench_long_decode.py --model qwen3_L4 --rows 16 --new 64 \
-    --reps 1 --moe-chunk 4096 --contexts 1024,8192,32768 --attention auto,blocked,kernel \
+    --reps 1 --moe-chunk 4096 --contexts 1024,8192,32768 --attention auto,dense \
     --json "$OUT/longdecode.json" \
     2>&1 | tee "$OUT/longdecode.log" | quiet
 fi
 if on aot; then
-  timeout $(left 300) $PY experiments/aot.py $AOT --chip h200 --local --run --max-rss-gb 100 \
+  timeout $(left 300) $PY experiments/aot.py $AOT ${AOT_EXTRA:-} --chip h200 --local --run \
+    --max-rss-gb 100 \
     --json "$OUT/aot_gpu.json" 2>&1 | tee "$OUT/aot_gpu.log" | quiet | grep "^|"
 fi
 if on decode; then

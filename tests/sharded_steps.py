@@ -251,6 +251,49 @@ def check_attention_kernels(mesh) -> None:
             )
 
 
+def check_decode_kernel(mesh) -> None:
+    """`layers.decode_attention` on a GPU (the backend faked, `gpu_attention`'s Triton kernel
+    in interpret mode) under a context mesh: each device runs the kernel on its own rows (a
+    shard_map; XLA cannot partition a Pallas call, and would gather every row's cache onto
+    every device), equal to the CPU's XLA block loop on one device. Rows the mesh does not
+    split take that loop, which XLA partitions."""
+    from unittest import mock
+
+    from espo.model import gpu_attention, layers
+
+    shards = sharding.batch_shards(mesh)
+    N, G, S, Dh, filled = 2, 2, 2 * gpu_attention.BLOCK + 3, 16, gpu_attention.BLOCK + 1
+    interpreted = functools.partial(gpu_attention.decode_attention, interpret=True)
+    step = jax.jit(
+        lambda q, k, v, mask, filled: layers.decode_attention(
+            q, k, v, mask, filled=filled, dtype=jnp.float32
+        )
+    )
+    for B in (shards, shards // 2):
+        k = jax.random.split(jax.random.key(B), 3)
+        q = jax.random.normal(k[0], (B, N, G, Dh))
+        cache = [jax.random.normal(k[i], (B, N, S, Dh)) for i in (1, 2)]
+        mask = jnp.broadcast_to(jnp.arange(S) < filled, (B, 1, S))
+        inputs = (q, *cache, mask, jnp.int32(filled))
+        with jax.default_device(jax.devices()[0]), mock.patch.object(layers, "DECODE_BLOCK", 32):
+            want = step(*inputs)  # the CPU's block loop (blocks of 32: fewer than S's slots)
+        with (
+            jax.set_mesh(mesh),
+            mock.patch.object(layers, "DECODE_BLOCK", 32),
+            mock.patch.object(jax, "default_backend", lambda: "gpu"),
+            mock.patch.object(gpu_attention, "decode_attention", interpreted),
+        ):
+            placed = (
+                (*sharding.put_batch(inputs[:4], mesh), inputs[4]) if B % shards == 0 else inputs
+            )
+            traced = step.trace(*placed)
+            got = traced.lower().compile()(*placed)
+        what = f"decode kernel under mesh {dict(mesh.shape)}, {B} rows"
+        jaxpr = str(traced.jaxpr)
+        assert ("shard_map" in jaxpr) == ("pallas_call" in jaxpr) == (B % shards == 0), what
+        chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5, custom_message=what)
+
+
 def _most_sent(ids, mesh, *, E, axes) -> int:
     """The most (token, expert) assignments one batch shard of `ids` sends one expert shard."""
     n = math.prod(mesh.shape[a] for a in axes)
@@ -323,6 +366,7 @@ def main(meshes=MESHES) -> int:
         if fsdp > 1 and expert > 1:  # the rollout's "experts_all": over every axis
             check_expert_parallel_paths(mesh, sharding.BATCH_AXES)
         check_attention_kernels(mesh)
+        check_decode_kernel(mesh)
         print(f"mesh {(data, fsdp, expert)}: equal to one device")
     return 0
 

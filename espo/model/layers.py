@@ -210,14 +210,17 @@ class Attention(nn.Module):
 # A decode step attends over the filled cache slots only, DECODE_BLOCK slots at a time, once the
 # cache holds at least two blocks (`blocked_decode`). On CPU the block loop is XLA's; on a GPU
 # (its trip count would be read on the host each layer) it runs inside `gpu_attention`'s Triton
-# kernel, behind GPU_BLOCKED_DECODE until a GPU times it (bench_long_decode.py --attention).
+# kernel (GPU_BLOCKED_DECODE). On an H200 (docs/gpu run 8, bench_long_decode.py --attention) the
+# kernel's step over 16 rows x 32k tokens took 2.4 ms, the dense softmax over the buffer (what
+# `attention.default_impl` takes with this off) 4.0 ms, XLA's blocked loop 15.1 ms.
 DECODE_BLOCK = 256
-GPU_BLOCKED_DECODE = False
+GPU_BLOCKED_DECODE = True
 
 
 def blocked_decode(query_length: int, cache_length: int) -> bool:
     """Whether a forward of `query_length` tokens over a cache of `cache_length` slots takes
-    `decode_attention` (one token a row, a long cache; CPU, or a GPU with GPU_BLOCKED_DECODE)."""
+    `decode_attention` (one token a row, a long cache; CPU, or a GPU with GPU_BLOCKED_DECODE on,
+    the default)."""
     backend = jax.default_backend()
     on = backend == "cpu" or (backend == "gpu" and GPU_BLOCKED_DECODE)
     return on and query_length == 1 and cache_length >= 2 * DECODE_BLOCK
@@ -239,8 +242,17 @@ def decode_attention(
     with a visible key. The last block starts at S - DECODE_BLOCK when S is no multiple of it;
     the slots it shares with the block before are masked out."""
     block, (B, N, TG, Dh), S = DECODE_BLOCK, q.shape, cache_k.shape[2]
-    if jax.default_backend() == "gpu" and mask.shape[1] == 1 and gpu_attention.supported(Dh, S):
-        return gpu_attention.decode_attention(q, cache_k, cache_v, mask, filled=filled, dtype=dtype)
+    if (
+        jax.default_backend() == "gpu"
+        and mask.shape[1] == 1
+        and gpu_attention.supported(Dh, S)
+        and B % attention.row_shards() == 0  # else XLA's loop below, which XLA partitions
+    ):
+        kernel = attention.on_own_rows(
+            lambda *a: gpu_attention.decode_attention(*a[:4], filled=a[4], dtype=dtype),
+            rows_in=4, replicated_in=1,
+        )  # fmt: skip  # under a mesh each device on its own rows
+        return kernel(q, cache_k, cache_v, mask, jnp.asarray(filled, jnp.int32))
     T = mask.shape[1]
     G = TG // T
     batch_dims = ((0, 1), (0, 1))

@@ -2,6 +2,7 @@
 the mesh search and the step projection."""
 
 import dataclasses
+import json
 import math
 import pathlib
 import sys
@@ -256,3 +257,23 @@ def test_the_update_keeps_the_state_dtypes_of_bf16_params():
     dtypes = lambda tree: [a.dtype for a in jax.tree.leaves(tree)]  # noqa: E731
     assert dtypes(new.opt_state) == dtypes(state.opt_state)
     assert dtypes(new.params) == dtypes(state.params) and "bfloat16" in map(str, dtypes(new.params))
+
+
+def test_a_failed_compile_names_where_it_was_raised(monkeypatch, capsys):
+    """A compiling subprocess that fails reports the innermost frames (here the helper's
+    `raise` line, then its caller's, then aot's), so an error from inside a library names the
+    library."""
+
+    def deep():
+        raise KeyError("num_consts")
+
+    def measure(point):
+        deep()
+
+    monkeypatch.setattr(aot, "measure", measure)
+    aot.main(["--point", "{}"])
+    error = json.loads(capsys.readouterr().out)["error"]
+    line = deep.__code__.co_firstlineno + 1
+    caller = measure.__code__.co_firstlineno + 1
+    where = f"test_aot.py:{line} <- test_aot.py:{caller} <- aot.py:"
+    assert error.startswith(where) and "KeyError: " in error, error

@@ -69,8 +69,8 @@ def test_long_decode_measures_a_step_over_the_cache():
 
 def test_long_decode_traces_each_attention_arm_with_its_own_settings(monkeypatch):
     """Each arm's step is traced with its own settings: "kernel" with GPU_BLOCKED_DECODE on,
-    "blocked" with model.attention_impl "blocked", "auto" with neither (on this CPU they change
-    nothing, so they are read where the step reads them)."""
+    "dense" and "blocked" with it off and model.attention_impl so named, "auto" with the flag
+    as set (on this CPU they change nothing, so they are read where the step reads them)."""
     seen, attend = [], layers.attention.attend
     cfg = ModelConfig.tiny(num_layers=1)
 
@@ -80,16 +80,18 @@ def test_long_decode_traces_each_attention_arm_with_its_own_settings(monkeypatch
         return attend(*args, impl=impl, **kw)
 
     monkeypatch.setattr(layers.attention, "attend", spy)
-    arms = ("kernel", "auto", "blocked")
+    monkeypatch.setattr(layers, "GPU_BLOCKED_DECODE", "as set")
+    arms = ("kernel", "auto", "dense", "blocked")
     rows = bench_long_decode.measure(cfg, 40, rows=2, new=2, reps=2, arms=arms)
     assert [r["attention"] for r in rows] == list(arms)
     # a decode step (one token over the cache) of each arm, traced once, then its compiled
     # step reused
-    assert seen == [("auto", True), ("auto", False), ("blocked", False)]
-    assert layers.GPU_BLOCKED_DECODE is False
+    want = [("auto", True), ("auto", "as set"), ("dense", False), ("blocked", False)]
+    assert seen == want
+    assert layers.GPU_BLOCKED_DECODE == "as set"
 
 
-@pytest.mark.parametrize("arms", ["kernel", "blocked", "auto,auto", "auto,triton"])
+@pytest.mark.parametrize("arms", ["kernel", "dense", "blocked", "auto,auto", "auto,triton"])
 def test_long_decode_refuses_an_arm_it_cannot_run(arms, capsys):
     with pytest.raises(SystemExit) as err:
         bench_long_decode.main(["--attention", arms, "--contexts", "40"])

@@ -133,9 +133,12 @@ def test_blocked_decode_is_one_token_a_row_on_a_long_cpu_cache():
         assert layers.blocked_decode(1, 16) and not layers.blocked_decode(1, 15)
         assert not layers.blocked_decode(2, 64)  # a prefill or a continuation chunk
         with mock.patch.object(jax, "default_backend", lambda: "gpu"):
-            assert not layers.blocked_decode(1, 64)
-            with mock.patch.object(layers, "GPU_BLOCKED_DECODE", True):
-                assert layers.blocked_decode(1, 64) and not layers.blocked_decode(2, 64)
+            assert layers.GPU_BLOCKED_DECODE  # the Triton kernel by default (docs/gpu run 8)
+            assert layers.blocked_decode(1, 64) and not layers.blocked_decode(2, 64)
+            with mock.patch.object(layers, "GPU_BLOCKED_DECODE", False):
+                assert not layers.blocked_decode(1, 64)
+        with mock.patch.object(jax, "default_backend", lambda: "tpu"):
+            assert not layers.blocked_decode(1, 64)  # a TPU's decode takes attention.attend
 
 
 @pytest.mark.slow
