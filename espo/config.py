@@ -103,8 +103,8 @@ class Settings:
     reward: model_rewards.RewardConfig
     mesh: sharding.MeshConfig
     distributed: sharding.DistributedConfig
-    # model.attention_impl / remat / logits_chunk (model_config.COMPUTE_FIELDS): how to compute
-    # the model, with hf_path too (the checkpoint gives the architecture, the run these)
+    # model.attention_impl / moe_impl / remat / logits_chunk / moe_chunk (COMPUTE_FIELDS): how
+    # to compute the model, with hf_path too (the checkpoint gives the architecture, the run these)
     compute: dict = dataclasses.field(default_factory=dict)
 
     @classmethod

@@ -25,6 +25,8 @@
 #            over 230 s to compile and over 18 GiB of host memory; run 8: 2 layers over 300 s,
 #            and with AOT_EXTRA="--set model.attention_impl=blocked" (appended to aot.py's
 #            arguments) a KeyError from inside JAX 0.11.2 in 40 s (the table now names where);
+#            AOT_EXTRA="--set model.moe_impl=capacity" compiles the update without the Mosaic
+#            GPU kernels (their LLVM lowering: the suspect of the slow compile);
 #   decode:  bench_moe.py --only decode on the 1.9B bench MoE: kernels per decode step and
 #            tokens/s, bf16 and FP8 weights, B=8 and B=64, XLA's ragged_dot against the Triton
 #            grouped matmul (`moe.expert_ffn(impl="triton")`: only the touched experts read, FP8

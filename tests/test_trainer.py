@@ -541,14 +541,17 @@ def test_the_training_stream_prefilters_on_the_pass_rate_history(mode, downweigh
 
 
 def test_a_checkpoints_model_is_computed_as_the_run_says(tmp_path):
-    """model.attention_impl / remat / logits_chunk / moe_chunk reach a Hugging Face checkpoint's
-    architecture (they once stayed at the library's defaults with model.hf_path)."""
+    """model.attention_impl / moe_impl / remat / logits_chunk / moe_chunk reach a Hugging Face
+    checkpoint's architecture (they once stayed at the library's defaults with model.hf_path)."""
     ckpt = testing.make_hf_checkpoint(tmp_path / "ckpt", vocab_size=320)
     cfg = _config("qwen3_moe", model__hf_path=str(ckpt))
-    cfg.model.update(attention_impl="blocked", remat="full", logits_chunk=64, moe_chunk=32)
+    want = dict(
+        attention_impl="blocked", moe_impl="ragged", remat="full", logits_chunk=64, moe_chunk=32
+    )
+    cfg.model.update(want)
     model_cfg, _ = trainer.initial_model(config_lib.Settings.from_config(cfg), None)
     got = {f: getattr(model_cfg, f) for f in model_config.COMPUTE_FIELDS}
-    assert got == dict(attention_impl="blocked", remat="full", logits_chunk=64, moe_chunk=32)
+    assert got == want
     assert model_cfg.vocab_size == 320  # the architecture is still the checkpoint's
 
 

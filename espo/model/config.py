@@ -23,7 +23,9 @@ ATTENTION_IMPLS = ("auto", "dense", "blocked", "triton", "splash")  # espo.model
 REMAT_POLICIES = ("none", "full", "dots_with_no_batch_dims_saveable")
 # The fields that say how to compute, not what the model is: a run's config sets them on a
 # Hugging Face checkpoint's architecture too (espo.trainer.initial_model).
-COMPUTE_FIELDS = ("attention_impl", "remat", "logits_chunk", "moe_chunk")
+COMPUTE_FIELDS = ("attention_impl", "moe_impl", "remat", "logits_chunk", "moe_chunk")
+# espo.model.moe.expert_ffn's paths (`moe.DISPATCH_IMPLS`)
+MOE_IMPLS = ("auto", "ragged", "capacity", "blocked", "mosaic_gpu", "triton", "megablox")
 LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits of one chunk when logits_chunk is 0 (256 MiB)
 
 DTypeLike = Any  # a dtype name ("bfloat16"), a scalar type (jnp.bfloat16, np.float32), a np.dtype
@@ -98,6 +100,9 @@ class ModelConfig:
     # "dense" (the [B, N, T, G, S] logits at once), "blocked" (flash in XLA, memory linear in
     # T), "triton" (JAX's Pallas GPU flash kernel) or "splash" (JAX's TPU splash attention)
     attention_impl: str = "auto"
+    # the MoE blocks' grouped matmuls (`MOE_IMPLS`, espo.model.moe): "auto" (`moe.default_impl`:
+    # by backend and rows), or one path for every forward, the sampler's and the update's
+    moe_impl: str = "auto"
     # rematerialisation of each layer in the backward (`REMAT_POLICIES`): "none" keeps every
     # layer's activations, "full" only each layer's input (the long-trace setting: least memory,
     # bench_memory.py), "dots_with_no_batch_dims_saveable" also the unbatched matmul outputs
@@ -179,6 +184,7 @@ class ModelConfig:
             "attention_impl",
             f"one of {ATTENTION_IMPLS}",
         )
+        errors.require(self, self.moe_impl in MOE_IMPLS, "moe_impl", f"one of {MOE_IMPLS}")
         errors.require(self, self.remat in REMAT_POLICIES, "remat", f"one of {REMAT_POLICIES}")
         errors.require(
             self,

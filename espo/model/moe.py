@@ -57,7 +57,7 @@ from espo.model import config as config_lib
 from espo.model import grouped, layers
 
 RoutingMode = config_lib.RoutingMode
-DISPATCH_IMPLS = ("auto", "ragged", "capacity", "blocked", "mosaic_gpu", "triton", "megablox")
+DISPATCH_IMPLS = config_lib.MOE_IMPLS  # "auto", then `expert_ffn`'s paths
 # Up to this many rows (tokens x K) "auto" takes the Triton grouped matmul on a GPU (decode;
 # XLA's dense ragged_dot where its widths do not fit). On an H100 at D=2048, F=1408, E=16
 # (bench_moe.py), alone: Triton 0.20 / 0.24 ms at 16 / 128 rows, ragged 0.22-0.28 / 0.26-0.29,

@@ -325,9 +325,10 @@ def forward(
       cache: a `KVCache`; the T tokens are written at slots [cache.index, cache.index + T).
       routing: a `RouterTrace` [B, L, T, K] to replay (required unless routing_mode is FREE).
       routing_mode: static; see `RoutingMode`.
-      dispatch_impl: static; "auto" (`moe.default_impl`: capacity on CPU, Triton / Mosaic GPU
-        kernels on GPUs, ragged / megablox on TPUs, by rows), "capacity", "ragged", "blocked",
-        "mosaic_gpu", "triton" or "megablox" (`moe.expert_ffn`).
+      dispatch_impl: static; "auto" (`cfg.moe_impl`, whose "auto" is `moe.default_impl`:
+        capacity on CPU, Triton / Mosaic GPU kernels on GPUs, ragged / megablox on TPUs, by
+        rows), "capacity", "ragged", "blocked", "mosaic_gpu", "triton" or "megablox"
+        (`moe.expert_ffn`).
       return_hidden: static; also return the final-norm hidden state [B, T, D] (for value or
         reward heads).
       return_logits: static; False skips the head: `logits` is None (callers that project
@@ -394,6 +395,7 @@ def forward(
         weights = None if weights is None else to_layer_major(weights)
         replay = (to_layer_major(routing.expert_ids), weights)
     unrolled = run_name(0) not in params  # per-layer params (`unstack_layers`)
+    dispatch_impl = cfg.moe_impl if dispatch_impl == "auto" else dispatch_impl
     model = Transformer(cfg, routing_mode, dispatch_impl, replay_missing, unrolled, return_logits)
     logits, hidden, new_kv, run_extras = model.apply(
         {"params": params}, tokens, ctx=ctx, kv=kv, routing=replay

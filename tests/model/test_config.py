@@ -21,6 +21,7 @@ from espo.testing import raises_invalid
         (dict(sliding_window=0), "sliding_window", "None or >= 1"),
         (dict(rms_eps=0.0), "rms_eps", "> 0"),
         (dict(moe_chunk=-1), "moe_chunk", ">= 0"),
+        (dict(moe_impl="gmm"), "moe_impl", "megablox"),
         (dict(logits_chunk=2.5), "logits_chunk", ">= 0"),
         (dict(expert_axes=()), "expert_axes", "distinct mesh axis names"),
         (dict(expert_axes=("expert", "expert")), "expert_axes", "distinct mesh axis names"),

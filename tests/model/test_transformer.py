@@ -55,6 +55,30 @@ def test_dispatch_impls_agree(params, tokens, impl):
     np.testing.assert_allclose(got.logits, ragged.logits, atol=1e-5, rtol=1e-5)
 
 
+def test_model_moe_impl_picks_the_dispatch_path_and_a_forwards_own_wins(
+    params, tokens, monkeypatch
+):
+    """`ModelConfig.moe_impl` is the path of every MoE block where the forward says "auto";
+    a forward's explicit `dispatch_impl` wins; "auto" in both is `moe.default_impl` (capacity
+    on CPU). Each config's logits equal the capacity path's."""
+    seen, expert_ffn = [], model.moe.expert_ffn
+
+    def spy(*args, impl, **kw):
+        seen.append(impl)
+        return expert_ffn(*args, impl=impl, **kw)
+
+    monkeypatch.setattr(model.moe, "expert_ffn", spy)
+    want = model.forward(CFG, params, tokens).logits
+    cases = [("auto", "auto", "capacity"), ("ragged", "auto", "ragged")]
+    cases += [("ragged", "blocked", "blocked"), ("auto", "ragged", "ragged")]
+    for moe_impl, dispatch_impl, path in cases:
+        seen.clear()
+        cfg = CFG.replace(moe_impl=moe_impl)
+        got = model.forward(cfg, params, tokens, dispatch_impl=dispatch_impl).logits
+        assert seen and set(seen) == {path}, (moe_impl, dispatch_impl, seen)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_prefill_then_decode_equals_full_forward(params, tokens):
     full = forward(params, tokens)
