@@ -14,7 +14,8 @@ Rows:
      to back on the same Hugging Face weights: espo f32 / f32 before issue 14 (blocked
      dispatch, scanned layers) / bf16, transformers `generate`, and vLLM's CPU engine (f32 and
      bf16) from its own virtualenv (`vllm_peer.py`; reported ABSENT when not installed). The
-     memory read bandwidth of a jitted 1 GiB reduction, per size the bytes a decode step must
+     memory read bandwidth (`read_bandwidth_gbs`: the fastest of 1 GiB row sums), per size the
+     bytes a decode step must
      read (`decode_step_bytes`) and the achieved fraction; the E=8 -> E=128 slowdown.
      fp8read: does XLA:CPU's matmul read e4m3 bytes (the dot's operand dtype) and its time vs
      f32 / bf16 at the E=128 decode shape. update: tokens/s of a forward + backward at E=8/32/
@@ -457,11 +458,23 @@ def run_engine(engine, path, *, batch, prompt_len, new_tokens, dtype, impl="auto
     return json.loads(lines[-1])
 
 
+# Rows of the read's row sums: XLA reads the same bytes at different speeds by layout. Over 64
+# long rows (the only layout until 2026-11-30) it reached ~0.5 of what 2^16 rows of 4096 read
+# on the 2-core CPU (15-16 against 26-32 GB/s, alternated) and on an H200 2,822 GB/s, where
+# the decode kernel's cache reads ran at ~3,900 (docs/gpu run 8): ratios against it read high.
+BANDWIDTH_ROWS = (64, 2**12, 2**16)
+
+
 def read_bandwidth_gbs(*, gib=1.0, repeats=5):
-    """The machine's memory read bandwidth: a jitted row sum over `gib` GiB of float32."""
-    x = jnp.ones((64, int(gib * 2**30) // 4 // 64), jnp.float32)  # [64, n]
+    """The machine's memory read bandwidth: the fastest of jitted row sums over `gib` GiB of
+    float32 laid out as each of BANDWIDTH_ROWS rows."""
+    n, best = int(gib * 2**30) // 4, 0.0
     total = jax.jit(lambda a: jnp.sum(a, axis=1))
-    return x.nbytes / _timed(lambda: total(x), repeats) / 1e9
+    for rows in BANDWIDTH_ROWS:
+        x = jnp.ones((rows, n // rows), jnp.float32)
+        best = max(best, x.nbytes / _timed(lambda x=x: total(x), repeats) / 1e9)
+        del x
+    return best
 
 
 def moe_sizes(*, peers, vllm_python, batch, prompt_len, new_tokens, sizes=None, rounds=1):
@@ -695,7 +708,7 @@ def main():
     rows = []
     if only & {"moe", "fp8read"}:
         bandwidth = read_bandwidth_gbs()
-        rows.append(("memory read bandwidth (jitted 1 GiB f32 reduction)",
+        rows.append(("memory read bandwidth (fastest 1 GiB f32 row sums)",
                      f"{bandwidth:.1f} GB/s", ""))  # fmt: skip
     if "moe" in only:
         table, ratios = moe_sizes(

@@ -127,3 +127,20 @@ def test_espo_over_vllm_takes_vllms_better_run(bench):
     assert bench._espo_over_vllm(row) == 1.5  # the failed f32 run left out
     assert bench._espo_over_vllm({**row, "vLLM f32": run(5.0)}) == 1.2
     assert bench._espo_over_vllm({"espo f32": run(6.0)}) is None
+
+
+def test_read_bandwidth_is_the_fastest_layout_of_the_same_bytes(bench, monkeypatch):
+    """Every layout in BANDWIDTH_ROWS is timed, and the fastest one sets the bandwidth of the
+    `gib` read (the 64-row layout alone under-read it ~2x here): seconds faked per layout."""
+    seconds = {64: 4.0, 2**12: 1.0, 2**16: 2.0}  # the middle layout fastest
+    seen = []
+
+    def timed(fn, repeats):
+        out = fn()
+        seen.append(out.shape[0])  # one sum a row
+        return seconds[out.shape[0]]
+
+    monkeypatch.setattr(bench, "_timed", timed)
+    gbs = bench.read_bandwidth_gbs(gib=1 / 64, repeats=1)
+    assert sorted(seen) == sorted(bench.BANDWIDTH_ROWS)
+    assert gbs == pytest.approx(2**30 / 64 / 1.0 / 1e9)
