@@ -188,7 +188,7 @@ class Attention(nn.Module):
             cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)
             cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
             new_kv = keys, values = cache_k, cache_v
-        if kv is not None and blocked_decode(T, keys.shape[2]):
+        if kv is not None and blocked_decode(T, keys.shape):
             mask = attention_mask(
                 q_positions=positions, kv_positions=kv_positions, sliding_window=cfg.sliding_window
             )  # [B, 1, S]: one token a row
@@ -217,13 +217,19 @@ DECODE_BLOCK = 256
 GPU_BLOCKED_DECODE = True
 
 
-def blocked_decode(query_length: int, cache_length: int) -> bool:
-    """Whether a forward of `query_length` tokens over a cache of `cache_length` slots takes
-    `decode_attention` (one token a row, a long cache; CPU, or a GPU with GPU_BLOCKED_DECODE on,
-    the default)."""
+def blocked_decode(query_length: int, cache_shape: tuple[int, ...]) -> bool:
+    """Whether a forward of `query_length` tokens over one layer's cache [B, N, S, Dh] takes
+    `decode_attention` (one token a row, at least two DECODE_BLOCKs of slots): on CPU always; on
+    a GPU with GPU_BLOCKED_DECODE on (the default) where its Triton kernel runs (`supported`,
+    rows the mesh splits evenly), else a GPU takes `attention.attend`'s dense form."""
+    B, _, S, Dh = cache_shape
+    if query_length != 1 or S < 2 * DECODE_BLOCK:
+        return False
     backend = jax.default_backend()
-    on = backend == "cpu" or (backend == "gpu" and GPU_BLOCKED_DECODE)
-    return on and query_length == 1 and cache_length >= 2 * DECODE_BLOCK
+    if backend == "gpu":
+        kernel = gpu_attention.supported(Dh, S) and B % attention.row_shards() == 0
+        return GPU_BLOCKED_DECODE and kernel
+    return backend == "cpu"
 
 
 def decode_attention(
@@ -246,8 +252,8 @@ def decode_attention(
         jax.default_backend() == "gpu"
         and mask.shape[1] == 1
         and gpu_attention.supported(Dh, S)
-        and B % attention.row_shards() == 0  # else XLA's loop below, which XLA partitions
-    ):
+        and B % attention.row_shards() == 0  # else XLA's loop below (a layer takes the dense
+    ):  # form there instead: `blocked_decode`)
         kernel = attention.on_own_rows(
             lambda *a: gpu_attention.decode_attention(*a[:4], filled=a[4], dtype=dtype),
             rows_in=4, replicated_in=1,

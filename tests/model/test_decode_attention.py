@@ -128,17 +128,26 @@ def test_bf16_logits_stay_float32():
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2**-7, rtol=2**-7)
 
 
-def test_blocked_decode_is_one_token_a_row_on_a_long_cpu_cache():
+def test_blocked_decode_is_one_token_a_row_on_a_long_cache_where_a_loop_runs():
+    """CPU: one token a row over two blocks or more. GPU: the same where the Triton kernel
+    runs (the flag on, by default; a head width it takes, at least one of its blocks of slots,
+    rows the mesh splits evenly), else the dense form. TPU: never (attention.attend)."""
+    cache = lambda S, B=2, Dh=16: (B, 2, S, Dh)  # noqa: E731  # [B, N, S, Dh]
     with mock.patch.object(layers, "DECODE_BLOCK", 8):
-        assert layers.blocked_decode(1, 16) and not layers.blocked_decode(1, 15)
-        assert not layers.blocked_decode(2, 64)  # a prefill or a continuation chunk
+        assert layers.blocked_decode(1, cache(16)) and not layers.blocked_decode(1, cache(15))
+        assert not layers.blocked_decode(2, cache(64))  # a prefill or a continuation chunk
         with mock.patch.object(jax, "default_backend", lambda: "gpu"):
             assert layers.GPU_BLOCKED_DECODE  # the Triton kernel by default (docs/gpu run 8)
-            assert layers.blocked_decode(1, 64) and not layers.blocked_decode(2, 64)
+            assert layers.blocked_decode(1, cache(64)) and not layers.blocked_decode(2, cache(64))
+            assert not layers.blocked_decode(1, cache(64, Dh=24))  # no power of two
+            assert not layers.blocked_decode(1, cache(16))  # under one kernel block (64)
+            with mock.patch.object(layers.attention, "row_shards", lambda: 4):
+                assert not layers.blocked_decode(1, cache(64, B=2))  # 2 rows over 4 shards
+                assert layers.blocked_decode(1, cache(64, B=8))
             with mock.patch.object(layers, "GPU_BLOCKED_DECODE", False):
-                assert not layers.blocked_decode(1, 64)
+                assert not layers.blocked_decode(1, cache(64))
         with mock.patch.object(jax, "default_backend", lambda: "tpu"):
-            assert not layers.blocked_decode(1, 64)  # a TPU's decode takes attention.attend
+            assert not layers.blocked_decode(1, cache(64))  # a TPU's decode takes attend
 
 
 @pytest.mark.slow
@@ -246,7 +255,7 @@ def test_cached_decode_over_block_boundaries_equals_the_full_forward():
     params = model.init(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 20), 0, cfg.vocab_size)
     with mock.patch.object(layers, "DECODE_BLOCK", 8):
-        assert layers.blocked_decode(1, 20)
+        assert layers.blocked_decode(1, (2, cfg.num_kv_heads, 20, cfg.head_dim))
         forward = jax.jit(functools.partial(model.forward, cfg))  # traced with blocks of 8
         full = forward(params, tokens)
         out = forward(params, tokens[:, :7], cache=model.init_cache(cfg, batch=2, max_length=20))
