@@ -410,8 +410,10 @@ def measure(point: dict) -> dict:
         ffn, fargs, *_ = flop_progs[name]
         # Counted as the dropless grouped matmul every accelerator path computes (CPU's default,
         # "capacity", multiplies padding too).
-        # A TPU's or GPU's decode step attends over the whole cache ("blocked" over its
-        # slots), not the CPU's loop over the filled blocks (`layers.blocked_decode`).
+        # A TPU's decode step attends over the whole cache ("blocked" over its slots), not the
+        # CPU's loop over the filled blocks (`layers.blocked_decode`); a GPU's Triton kernel
+        # visits only the filled ones, but its products sit inside a Pallas call that the count
+        # does not see, so a GPU is counted over the whole cache too (an upper bound).
         decode_loop = blocked if chip.name == "cpu" else (lambda *a: False)
         with (
             jax.set_mesh(one),
