@@ -10,9 +10,10 @@ cache of C + `--new` + 1 slots by the prefill (`model.forward` with the cache, a
 row over the cache, the cache donated: what the sampler's loop runs, less the sampling), timed
 apart; medians of `--reps` runs. Output tokens/s = rows / step time. Also printed: the KV
 cache's bytes (layers x 2 x rows x kv heads x slots x head dim x itemsize), the bytes a step
-must read (`bench_rollout.decode_step_bytes`: the weights, at most rows x top-k experts a
-layer, and the cache's filled slots) and that per step time against the machine's read
-bandwidth measured in the same run (`bench_rollout.read_bandwidth_gbs`).
+must read (`bench_rollout.decode_step_bytes`: the weights, of each MoE layer the distinct
+experts the first decode steps' routing touched, and the cache's filled slots) and that per
+step time against the machine's read bandwidth measured in the same run
+(`bench_rollout.read_bandwidth_gbs`).
 
 What should hold: a step reads every layer's weights once and the filled part of the cache
 (`layers.decode_attention` visits the slots written so far, in blocks, not the buffer), so the
@@ -104,29 +105,34 @@ def measure(
             return jax.jit(forward, donate_argnums=2).lower(params, tokens[0], cache).compile()
 
     steps = {arm: decode_step(arm) for arm in arms}
-    prefill_s, step_s = [], {arm: [] for arm in arms}
+    prefill_s, step_s, routes = [], {arm: [] for arm in arms}, []
     for _ in range(reps):
         empty = jax.block_until_ready(fresh())
         t0 = time.perf_counter()
         cache = jax.block_until_ready(prefill(params, empty))
         prefill_s.append(time.perf_counter() - t0)
         for arm, step in steps.items():  # alternated: a machine under other load slows both
-            jax.block_until_ready(step(params, tokens[0], cache).cache)  # a first run, untimed
+            first = step(params, tokens[0], cache)  # a first run, untimed
+            routes.append(np.asarray(first.router.expert_ids)[:, list(cfg.moe_layers)])
             cache = jax.block_until_ready(prefill(params, fresh()))
             t0 = time.perf_counter()
             for i in range(new):
                 cache = step(params, tokens[i], cache).cache
             jax.block_until_ready(cache)
             step_s[arm].append((time.perf_counter() - t0) / new)
-    touched = min(cfg.num_experts, rows * cfg.top_k)  # at most: every row's own experts
+    # The distinct experts a step's routing touched, per MoE layer (the first steps' traces),
+    # spread over every layer as decode_step_bytes counts them.
+    touched = float(np.mean([bench_rollout._touched_experts(r) for r in routes]))
+    per_layer = touched * len(cfg.moe_layers) / cfg.num_layers
     read = bench_rollout.decode_step_bytes(
-        cfg, batch=rows, touched_experts=touched, mean_length=context + new // 2
+        cfg, batch=rows, touched_experts=per_layer, mean_length=context + new // 2
     )  # the weights a step reads and the filled cache
     out = []
     for arm in arms:
         step_ms = 1e3 * float(np.median(step_s[arm]))
         out.append(dict(
             attention=arm, read_gb=read / 1e9, read_gbs=read / step_ms / 1e6,
+            touched_experts=touched,
             context=context, rows=rows, new=new, compile_s=compile_s,
             prefill_s=float(np.median(prefill_s)), step_ms=step_ms,
             tokens_per_s=rows / step_ms * 1e3, kv_cache_gib=kv_cache_gib(cfg, rows, slots),

@@ -62,9 +62,18 @@ def test_kv_cache_size_is_the_caches_bytes():
 
 
 def test_long_decode_measures_a_step_over_the_cache():
-    (r,) = bench_long_decode.measure(ModelConfig.tiny(), 40, rows=2, new=3, reps=1)
+    """A step's bytes count each MoE layer's experts the routing touched (between one row's
+    top-k and every row's own), spread over the layers (layer 0 here is dense)."""
+    cfg = ModelConfig.tiny(num_experts=16, num_layers=3, dense_layers=(0,), dense_ffn_dim=24)
+    (r,) = bench_long_decode.measure(cfg, 40, rows=3, new=3, reps=1)
     assert r["step_ms"] > 0 and r["prefill_s"] > 0 and r["tokens_per_s"] > 0
-    assert r["read_gb"] > 0 and r["attention"] == "auto"
+    assert r["attention"] == "auto"
+    assert cfg.top_k <= r["touched_experts"] <= 3 * cfg.top_k
+    spread = r["touched_experts"] * len(cfg.moe_layers) / cfg.num_layers
+    want = bench_long_decode.bench_rollout.decode_step_bytes(
+        cfg, batch=3, touched_experts=spread, mean_length=40 + 1
+    )
+    assert r["read_gb"] == pytest.approx(want / 1e9)
 
 
 def test_long_decode_traces_each_attention_arm_with_its_own_settings(monkeypatch):
