@@ -22,11 +22,12 @@
 #   aot:     (asked for by name) aot.py's estimate checked: 2 layers of the Qwen3-30B-A3B preset
 #            at 4k tokens, its update / pi_old / rollout compiled on this GPU (--local) and each
 #            program run on the GPU against its roofline (--run); run 7: 8 layers' update took
-#            over 230 s to compile and over 18 GiB of host memory; run 8: 2 layers over 300 s,
-#            and with AOT_EXTRA="--set model.attention_impl=blocked" (appended to aot.py's
-#            arguments) a KeyError from inside JAX 0.11.2 in 40 s (the table now names where);
-#            AOT_EXTRA="--set model.moe_impl=capacity" compiles the update without the Mosaic
-#            GPU kernels (their LLVM lowering: the suspect of the slow compile);
+#            over 230 s to compile and over 18 GiB of host memory; run 8: 2 layers' three
+#            programs over 300 s, the update alone with AOT_EXTRA="--set
+#            model.attention_impl=blocked" (appended to aot.py's arguments) compiled in under
+#            40 s (then aot's FLOP count failed on JAX 0.11's scan: mended). Next: AOT_EXTRA=
+#            "--programs update", then with the blocked attention, and with "--set
+#            model.moe_impl=capacity" (no Mosaic GPU kernels);
 #   decode:  bench_moe.py --only decode on the 1.9B bench MoE: kernels per decode step and
 #            tokens/s, bf16 and FP8 weights, B=8 and B=64, XLA's ragged_dot against the Triton
 #            grouped matmul (`moe.expert_ffn(impl="triton")`: only the touched experts read, FP8

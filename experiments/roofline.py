@@ -170,7 +170,7 @@ def _walk(jaxpr, mult: float, path: str, env: dict, out: list[Dot]) -> None:
                 out.append(Dot(0.0, 0.0, mult, f"{kernel} (opaque, not counted)"))
         elif name == "scan":
             body = p["jaxpr"]
-            sub_env = _sub_env(body, eqn.invars[: p["num_consts"]], env)
+            sub_env = _sub_env(body, eqn.invars[: _scan_consts(p)], env)
             _walk(body.jaxpr, mult * p["length"], _join(path, f"scan x{p['length']}"), sub_env, out)
         elif name == "while":
             trip = _trip_count(eqn, env)
@@ -204,6 +204,14 @@ def _walk(jaxpr, mult: float, path: str, env: dict, out: list[Dot]) -> None:
                 inner = getattr(sub, "jaxpr", sub)
                 same = len(inner.invars) == len(eqn.invars)  # operands bound in order
                 _walk(inner, mult, here, _sub_env(sub, eqn.invars if same else (), env), out)
+
+
+def _scan_consts(params) -> int:
+    """How many of a scan's operands are its constants: `num_consts` up to JAX 0.10; from 0.11
+    (jax-ml/jax 08958bdf) a FlatTree `ft_in` of (consts, carry, xs) replaces it."""
+    if "num_consts" in params:
+        return params["num_consts"]
+    return len(params["ft_in"].unpack()[0])
 
 
 def _join(path: str, part: str) -> str:

@@ -55,6 +55,28 @@ def test_a_scan_multiplies_its_body_by_its_length():
     assert roofline.total_flops([dot]) == 7 * 2 * 4 * 8 * 8
 
 
+def test_a_scans_constants_reach_a_loop_in_its_body_in_either_jax_form():
+    """A while bound that is a scan constant is known inside the body (10 trips x 3 steps);
+    the constants' count from JAX 0.10's `num_consts` and from 0.11's `ft_in` (consts, carry,
+    xs) alike (a stand-in for 0.11's FlatTree: aot.py's count raised KeyError on an H200)."""
+    loop = lambda x, n: lax.while_loop(
+        lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ c[1]), (0, x)
+    )
+    inner = jax.jit(lambda xs, n: lax.scan(lambda _, x: (None, loop(x, n)[1]), None, xs)[1])
+    (dot,) = dots_of(lambda xs: inner(xs, 10), spec(3, 4, 4))  # n: the scan's constant
+    assert dot.count == 30 and "while x10" in dot.where
+
+    class Tree:  # FlatTree's `unpack`: one tree per part
+        def __init__(self, *parts):
+            self.parts = parts
+
+        def unpack(self):
+            return self.parts
+
+    assert roofline._scan_consts({"num_consts": 2, "length": 5}) == 2
+    assert roofline._scan_consts({"ft_in": Tree([0, 0, 0], [0], [0, 0]), "length": 5}) == 3
+
+
 @pytest.mark.parametrize(
     "remat, value_too, times",
     [
