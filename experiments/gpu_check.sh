@@ -25,9 +25,11 @@
 #            over 230 s to compile and over 18 GiB of host memory; run 8: 2 layers' three
 #            programs over 300 s, the update alone with AOT_EXTRA="--set
 #            model.attention_impl=blocked" (appended to aot.py's arguments) compiled in under
-#            40 s (then aot's FLOP count failed on JAX 0.11's scan: mended). Next: AOT_EXTRA=
-#            "--programs update", then with the blocked attention, and with "--set
-#            model.moe_impl=capacity" (no Mosaic GPU kernels);
+#            40 s (then aot's FLOP count failed on JAX 0.11's scan: mended); aotab next;
+#   aotab:   (asked for by name) the update alone at 2 layers compiled on this GPU (--local, no
+#            run), each arm under its own 150 s: the defaults (Triton flash attention, Mosaic GPU
+#            experts), XLA's blocked attention (run 8: under 40 s), the capacity MoE path (no
+#            Mosaic GPU kernels); its compile s column says which part holds the compile up;
 #   decode:  bench_moe.py --only decode on the 1.9B bench MoE: kernels per decode step and
 #            tokens/s, bf16 and FP8 weights, B=8 and B=64, XLA's ragged_dot against the Triton
 #            grouped matmul (`moe.expert_ffn(impl="triton")`: only the touched experts read, FP8
@@ -98,6 +100,13 @@ if on aot; then
   timeout $(left 300) $PY experiments/aot.py $AOT ${AOT_EXTRA:-} --chip h200 --local --run \
     --max-rss-gb 100 \
     --json "$OUT/aot_gpu.json" 2>&1 | tee "$OUT/aot_gpu.log" | quiet | grep "^|"
+fi
+if on aotab; then
+  for arm in "" "--set model.attention_impl=blocked" "--set model.moe_impl=capacity"; do
+    echo "aotab: ${arm:-the defaults}"
+    timeout $(left 150) $PY experiments/aot.py $AOT $arm --programs update --chip h200 --local \
+      --max-rss-gb 100 2>&1 | tee -a "$OUT/aotab.log" | quiet | grep "^| data"
+  done
 fi
 if on decode; then
   timeout $(left 200) $PY experiments/bench_moe.py --only decode --decode "$DECODE" \
