@@ -4,7 +4,7 @@
 #
 #   BUDGET=540 bash experiments/gpu_check.sh [OUT]  (OUT: the logs and JSON; default /tmp/gpu)
 #   ONLY=decode,step bash experiments/gpu_check.sh  (some sections; default: machine, tests,
-#                                                   longdecode, decode, tiles)
+#                                                   aotab, longdecode, decode, tiles)
 # BUDGET (seconds in all): each section's limit is cut to what is left, and a section with under
 # 30 s left is skipped. On the lent machine (its own JAX with CUDA, flax, optax, chex, orbax are
 # there) carry the wheels it lacks in .whl/ (`make gpu-wheels` here; docs/gpu/README.md "Run 7").
@@ -13,6 +13,10 @@
 #   tests:   the GPU subset: the Triton and Mosaic GPU grouped matmuls compiled, against the
 #            group loop (values and gradients) and the per-expert loop (every dispatch path),
 #            the decode-attention kernel compiled against the whole-buffer softmax;
+#   aotab:   the update alone at 2 layers compiled on this GPU (--local, no
+#            run), each arm under its own 150 s: the defaults (Triton flash attention, Mosaic GPU
+#            experts), XLA's blocked attention (run 8: under 40 s), the capacity MoE path (no
+#            Mosaic GPU kernels); its compile s column says which part holds the compile up;
 #   longdecode: bench_long_decode.py: decode steps over 1k / 8k / 32k tokens of context, 4
 #            layers of Qwen3-30B-A3B's shape in bf16, 16 rows, against the bandwidth, two
 #            attentions alternated: the default (`gpu_attention`'s Triton kernel over the filled
@@ -26,10 +30,6 @@
 #            programs over 300 s, the update alone with AOT_EXTRA="--set
 #            model.attention_impl=blocked" (appended to aot.py's arguments) compiled in under
 #            40 s (then aot's FLOP count failed on JAX 0.11's scan: mended); aotab next;
-#   aotab:   (asked for by name) the update alone at 2 layers compiled on this GPU (--local, no
-#            run), each arm under its own 150 s: the defaults (Triton flash attention, Mosaic GPU
-#            experts), XLA's blocked attention (run 8: under 40 s), the capacity MoE path (no
-#            Mosaic GPU kernels); its compile s column says which part holds the compile up;
 #   decode:  bench_moe.py --only decode on the 1.9B bench MoE: kernels per decode step and
 #            tokens/s, bf16 and FP8 weights, B=8 and B=64, XLA's ragged_dot against the Triton
 #            grouped matmul (`moe.expert_ffn(impl="triton")`: only the touched experts read, FP8
@@ -54,7 +54,7 @@
 # (no gain on an H100), the scanned layer layout.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu}}
-ONLY=${ONLY:-machine,tests,longdecode,decode,tiles}
+ONLY=${ONLY:-machine,tests,aotab,longdecode,decode,tiles}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -90,6 +90,13 @@ if on tests; then
     -k "triton or mosaic or gpu or skewed" \
     2>&1 | tee "$OUT/tests.log" | tail -15
 fi
+if on aotab; then
+  for arm in "" "--set model.attention_impl=blocked" "--set model.moe_impl=capacity"; do
+    echo "aotab: ${arm:-the defaults}"
+    timeout $(left 150) $PY experiments/aot.py $AOT $arm --programs update --chip h200 --local \
+      --max-rss-gb 100 2>&1 | tee -a "$OUT/aotab.log" | quiet | grep "^| data"
+  done
+fi
 if on longdecode; then
   timeout $(left 300) $PY experiments/bench_long_decode.py --model qwen3_L4 --rows 16 --new 64 \
     --reps 1 --moe-chunk 4096 --contexts 1024,8192,32768 --attention auto,dense \
@@ -100,13 +107,6 @@ if on aot; then
   timeout $(left 300) $PY experiments/aot.py $AOT ${AOT_EXTRA:-} --chip h200 --local --run \
     --max-rss-gb 100 \
     --json "$OUT/aot_gpu.json" 2>&1 | tee "$OUT/aot_gpu.log" | quiet | grep "^|"
-fi
-if on aotab; then
-  for arm in "" "--set model.attention_impl=blocked" "--set model.moe_impl=capacity"; do
-    echo "aotab: ${arm:-the defaults}"
-    timeout $(left 150) $PY experiments/aot.py $AOT $arm --programs update --chip h200 --local \
-      --max-rss-gb 100 2>&1 | tee -a "$OUT/aotab.log" | quiet | grep "^| data"
-  done
 fi
 if on decode; then
   timeout $(left 200) $PY experiments/bench_moe.py --only decode --decode "$DECODE" \
