@@ -80,6 +80,7 @@ import traceback
 from aot_programs import (  # the compiling subprocess's half
     DECODING,
     PROGRAMS,
+    PROGRESS,
     ROOT,
     GiB,
     measure,
@@ -157,8 +158,12 @@ def run_point(point: dict, timeout: float, extra_env: dict | None = None) -> dic
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as e:  # the subprocess is killed; where it was, if known
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        done = [ln.removeprefix(PROGRESS) for ln in err.splitlines() if ln.startswith(PROGRESS)]
+        return {
+            "error": f"timeout after {timeout:.0f} s" + (f" ({'; '.join(done)})" if done else "")
+        }
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     res = json.loads(lines[-1]) if lines else {}
     if not res:

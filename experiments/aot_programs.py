@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 import time
 from unittest import mock
@@ -328,6 +329,14 @@ def _timed(compiled, args, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+PROGRESS = "aot progress: "  # the compiling subprocess's stderr lines that `run_point` reads
+
+
+def progress(text: str) -> None:
+    """One line of where the compiling subprocess is (read back on a timeout)."""
+    print(PROGRESS + text, file=sys.stderr, flush=True)
+
+
 def measure(point: dict) -> dict:
     """Compile `point`'s programs on its mesh; per program its per-device memory, matmul work
     and collectives (module docstring)."""
@@ -376,6 +385,7 @@ def measure(point: dict) -> dict:
         fn, args, sizes, resident = progs[name]
         row = dict(sizes, resident=resident)
         t0 = time.perf_counter()
+        progress(f"{name}: compiling")
         with backend, jax.set_mesh(mesh):
             lowered = fn.trace(*args).lower()
         try:
@@ -385,8 +395,10 @@ def measure(point: dict) -> dict:
                 raise
             compiled, row["refused"] = None, str(e).split("\n")[0][:200]  # the chip's HBM check
         row["compile_s"] = time.perf_counter() - t0
+        progress(f"{name}: compiled in {row['compile_s']:.0f} s")
         if point.get("run") and compiled is not None:  # --run: timed here (no stop id exists:
             row["measured_s"] = _timed(compiled, args)  # the decode runs its whole budget)
+            progress(f"{name}: ran in {row['measured_s']:.3g} s")
         if point.get("tpu"):  # the buffer assignment the chip's check adds up
             got = bench_memory.allocation_sizes(dump, module=f"jit_{name}")
             args_b, out_b, temp_b, alias_b = (

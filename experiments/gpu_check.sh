@@ -93,8 +93,9 @@ fi
 if on aotab; then
   for arm in "" "--set model.attention_impl=blocked" "--set model.moe_impl=capacity"; do
     echo "aotab: ${arm:-the defaults}"
-    timeout $(left 150) $PY experiments/aot.py $AOT $arm --programs update --chip h200 --local \
-      --max-rss-gb 100 2>&1 | tee -a "$OUT/aotab.log" | quiet | grep "^| data"
+    t=$(left 150)  # aot's own --timeout kills its compiling subprocess first and says where it was
+    timeout $t $PY experiments/aot.py $AOT $arm --programs update --chip h200 --local \
+      --max-rss-gb 100 --timeout $((t - 15)) 2>&1 | tee -a "$OUT/aotab.log" | quiet | grep "^| data"
   done
 fi
 if on longdecode; then
@@ -104,8 +105,9 @@ if on longdecode; then
     2>&1 | tee "$OUT/longdecode.log" | quiet
 fi
 if on aot; then
-  timeout $(left 300) $PY experiments/aot.py $AOT ${AOT_EXTRA:-} --chip h200 --local --run \
-    --max-rss-gb 100 \
+  t=$(left 300)
+  timeout $t $PY experiments/aot.py $AOT ${AOT_EXTRA:-} --chip h200 --local --run \
+    --max-rss-gb 100 --timeout $((t - 15)) \
     --json "$OUT/aot_gpu.json" 2>&1 | tee "$OUT/aot_gpu.log" | quiet | grep "^|"
 fi
 if on decode; then

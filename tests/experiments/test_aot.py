@@ -277,3 +277,17 @@ def test_a_failed_compile_names_where_it_was_raised(monkeypatch, capsys):
     caller = measure.__code__.co_firstlineno + 1
     where = f"test_aot.py:{line} <- test_aot.py:{caller} <- aot.py:"
     assert error.startswith(where) and "KeyError: " in error, error
+
+
+def test_a_compile_past_its_timeout_says_where_the_subprocess_was(monkeypatch):
+    """On a timeout the subprocess is killed and its last progress lines (stderr, among other
+    output) name what had compiled and what was compiling."""
+    progress = [aot_programs.PROGRESS + "update: compiled in 31 s", "W0000 noise"]
+    progress += [aot_programs.PROGRESS + "old: compiling"]
+
+    def run(cmd, *, timeout, **kw):
+        raise aot.subprocess.TimeoutExpired(cmd, timeout, stderr="\n".join(progress).encode())
+
+    monkeypatch.setattr(aot.subprocess, "run", run)
+    got = aot.run_point({"programs": ["update", "old"]}, timeout=150)
+    assert got == {"error": "timeout after 150 s (update: compiled in 31 s; old: compiling)"}
