@@ -13,10 +13,11 @@
 #   tests:   the GPU subset: the Triton and Mosaic GPU grouped matmuls compiled, against the
 #            group loop (values and gradients) and the per-expert loop (every dispatch path),
 #            the decode-attention kernel compiled against the whole-buffer softmax;
-#   aotab:   the update alone at 2 layers compiled on this GPU (--local, no
-#            run), each arm under its own 150 s: the defaults (Triton flash attention, Mosaic GPU
-#            experts), XLA's blocked attention (run 8: under 40 s), the capacity MoE path (no
-#            Mosaic GPU kernels); its compile s column says which part holds the compile up;
+#   aotab:   the update alone at 2 layers of the Qwen3-30B-A3B preset compiled on this GPU
+#            (--local, not run), each arm under its own 150 s: the defaults (Triton flash
+#            attention, Mosaic GPU experts), XLA's blocked attention (run 8: under 40 s), the
+#            capacity MoE path (no Mosaic GPU kernels); the compile s column (or a timeout's
+#            progress) says which part holds the GPU compile up;
 #   longdecode: bench_long_decode.py: decode steps over 1k / 8k / 32k tokens of context, 4
 #            layers of Qwen3-30B-A3B's shape in bf16, 16 rows, against the bandwidth, two
 #            attentions alternated: the default (`gpu_attention`'s Triton kernel over the filled
