@@ -227,9 +227,14 @@ def blocked_decode(query_length: int, cache_shape: tuple[int, ...]) -> bool:
         return False
     backend = jax.default_backend()
     if backend == "gpu":
-        kernel = gpu_attention.supported(Dh, S) and B % attention.row_shards() == 0
-        return GPU_BLOCKED_DECODE and kernel
+        return GPU_BLOCKED_DECODE and _gpu_kernel_runs(B, S, Dh)
     return backend == "cpu"
+
+
+def _gpu_kernel_runs(rows: int, slots: int, head_dim: int) -> bool:
+    """Whether `gpu_attention`'s kernel takes this cache: its widths and slots, and rows the
+    context mesh splits evenly (each device runs it on its own rows: `attention.on_own_rows`)."""
+    return gpu_attention.supported(head_dim, slots) and rows % attention.row_shards() == 0
 
 
 def decode_attention(
@@ -248,12 +253,8 @@ def decode_attention(
     with a visible key. The last block starts at S - DECODE_BLOCK when S is no multiple of it;
     the slots it shares with the block before are masked out."""
     block, (B, N, TG, Dh), S = DECODE_BLOCK, q.shape, cache_k.shape[2]
-    if (
-        jax.default_backend() == "gpu"
-        and mask.shape[1] == 1
-        and gpu_attention.supported(Dh, S)
-        and B % attention.row_shards() == 0  # else XLA's loop below (a layer takes the dense
-    ):  # form there instead: `blocked_decode`)
+    # Else XLA's loop below (a layer takes the dense form there instead: `blocked_decode`).
+    if jax.default_backend() == "gpu" and mask.shape[1] == 1 and _gpu_kernel_runs(B, S, Dh):
         kernel = attention.on_own_rows(
             lambda *a: gpu_attention.decode_attention(*a[:4], filled=a[4], dtype=dtype),
             rows_in=4, replicated_in=1,
