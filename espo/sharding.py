@@ -3,7 +3,7 @@
 Axes are ("data", "fsdp", "expert"). Batches are sharded along all three on their leading axis
 (as in maxtext: the expert axis splits the batch too, so attention and the dense layers are not
 computed twice, and the MoE blocks exchange tokens with an all-to-all,
-`moe.expert_parallel_dispatch`). Every parameter dimension has a logical name (`logical_axes`:
+`experts.expert_parallel_dispatch`). Every parameter dimension has a logical name (`logical_axes`:
 "embed", "heads", "expert", "mlp", "vocab", ...) and `RULES` map logical names to mesh axes in
 the style of big_vision / maxtext rule lists (first match wins; None = replicated): by default
 the model dimension is sharded along "fsdp" (ZeRO-3 style: XLA gathers a weight where a matmul

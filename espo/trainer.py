@@ -335,7 +335,7 @@ def train(config, workdir: str | None = None, *, progress: bool = True) -> dict:
     s = config_lib.Settings.from_config(config)
     initialize_distributed(s.distributed)
     # Everything traced inside runs on the mesh: MoE blocks split their experts over its
-    # "expert" axis (`moe.expert_parallel_dispatch`), batches go along (data, fsdp, expert).
+    # "expert" axis (`experts.expert_parallel_dispatch`), batches go along (data, fsdp, expert).
     mesh = sharding.make_mesh(**dataclasses.asdict(s.mesh))
     with jax.set_mesh(mesh):
         return _train(config, s, mesh, workdir, progress=progress, t_start=t_start)

@@ -353,7 +353,7 @@ def measure(point: dict) -> dict:
     import jax
     import roofline
 
-    from espo.model import layers, moe
+    from espo.model import experts, layers
 
     blocked = layers.blocked_decode
 
@@ -429,7 +429,7 @@ def measure(point: dict) -> dict:
         decode_loop = blocked if chip.name == "cpu" else (lambda *a: False)
         with (
             jax.set_mesh(one),
-            mock.patch.object(moe, "default_impl", lambda *a, **k: "ragged"),
+            mock.patch.object(experts, "default_impl", lambda *a, **k: "ragged"),
             mock.patch.object(layers, "blocked_decode", decode_loop),
         ):
             jaxpr = ffn.trace(*fargs).jaxpr

@@ -4,7 +4,7 @@
 
 Sections (one run, the same weights; every number a ratio against a bound measured or computed
 in the same run):
-  hlo:    per dispatch path (`espo.model.moe.expert_ffn` impls), the optimized HLO of the
+  hlo:    per dispatch path (`espo.model.experts.expert_ffn` impls), the optimized HLO of the
           experts' forward at decode and update row counts: the compiler's FLOP count
           (`cost_analysis`) over the useful FLOPs of the rows (2 R D F x 3), whether a
           ragged-dot survives (a grouped GEMM) or was rewritten, and the dots / GEMM calls left.
@@ -29,7 +29,7 @@ in the same run):
           process.
   --tpu v5e:2x2: the hlo section compiled for a TPU of that topology without one (JAX's
           deviceless AOT: `pip install libtpu==0.0.42.1`, jax[tpu]'s pin for jax 0.10.2), the
-          bench MoE in bf16, XLA's paths and megablox's (`moe.expert_ffn(impl="megablox")`),
+          bench MoE in bf16, XLA's paths and megablox's (`experts.expert_ffn(impl="megablox")`),
           and the model's value and gradient (one layer, 8 x 512 tokens) per path.
           A Pallas kernel's FLOPs there are its declared `CostEstimate` (megablox: the useful
           ones), XLA's own ops' FLOPs the compiler's count.
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from espo import model, quant, sampler
-from espo.model import grouped, layers, moe
+from espo.model import experts, grouped, layers
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_rollout  # noqa: E402
@@ -271,7 +271,7 @@ def tpu_model_rows(topology: str, cfg, impls, *, batch: int = 8, length: int = 5
 
 # ---- the grouped matmul paths -------------------------------------------------------------------
 def routed_rows(key, *, tokens: int, d: int, experts: int, top_k: int, dtype):
-    """Rows sorted by expert, as `moe.dispatch` hands them to `expert_ffn`: top-k of random
+    """Rows sorted by expert, as `experts.dispatch` hands them to `expert_ffn`: top-k of random
     router logits per token, so group sizes are uneven and some may be empty."""
     k1, k2 = jax.random.split(key)
     ids = jax.lax.top_k(jax.random.normal(k1, (tokens, experts)), top_k)[1].reshape(-1)
@@ -290,7 +290,7 @@ def expert_weights(key, *, d: int, f: int, experts: int, dtype):
 
 
 def ffn_of(impl: str):
-    return functools.partial(moe.expert_ffn, impl=impl)
+    return functools.partial(experts.expert_ffn, impl=impl)
 
 
 def _steady_ms(fn, args, repeats: int = 10) -> float:

@@ -33,7 +33,7 @@
 #            40 s (then aot's FLOP count failed on JAX 0.11's scan: mended); aotab next;
 #   decode:  bench_moe.py --only decode on the 1.9B bench MoE: kernels per decode step and
 #            tokens/s, bf16 and FP8 weights, B=8 and B=64, XLA's ragged_dot against the Triton
-#            grouped matmul (`moe.expert_ffn(impl="triton")`: only the touched experts read, FP8
+#            grouped matmul (`experts.expert_ffn(impl="triton")`: only the touched experts read, FP8
 #            read as FP8);
 #   tiles:   bench_moe.py --only tiles: the Triton path's forward at decode rows, bf16 and FP8
 #            experts, per tile setting (split contraction, FP8 x FP8 rows among them);
@@ -87,7 +87,7 @@ print('offload:', h.sharding.memory_kind, 'and back equal:', bool((jax.device_pu
 fi
 if on tests; then
   timeout $(left 180) $PY -m pytest -q -p no:cacheprovider tests/model/test_grouped.py \
-    tests/model/test_moe.py tests/model/test_decode_attention.py \
+    tests/model/test_experts.py tests/model/test_decode_attention.py \
     -k "triton or mosaic or gpu or skewed" \
     2>&1 | tee "$OUT/tests.log" | tail -15
 fi

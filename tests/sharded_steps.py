@@ -7,7 +7,7 @@ sampler (rows decoded per data shard; in the training layout and in the rollout'
 (loss, gradient norm, new params), with the parameters placed by `sharding.param_shardings`
 and the batch along (data, fsdp), equal the single-device results within 1e-5 (float32); each
 device holds E / expert experts and D / fsdp of the model dimension, and with an expert axis
-the MoE blocks run expert-parallel (`moe.expert_parallel_dispatch`: a shard_map over the
+the MoE blocks run expert-parallel (`experts.expert_parallel_dispatch`: a shard_map over the
 context mesh, a psum over "expert").
 Prints one line per mesh (those given as "d,f,e" arguments, else MESHES); exits non-zero on a
 mismatch.
@@ -115,7 +115,7 @@ def run(params, batch, mesh=None):
 
 
 def check_expert_parallel_paths(mesh, axes=("expert",)) -> None:
-    """`moe.expert_parallel_dispatch` on `mesh` with the experts over `axes`, each path
+    """`experts.expert_parallel_dispatch` on `mesh` with the experts over `axes`, each path
     (all_to_all within its send capacity, a generous one and the default ~1.25x the mean, where
     a row's slot must be its rank within its destination's block; all_to_all past it so the
     all-gather path runs instead; tokens that do not split and are replicated): output and
@@ -125,7 +125,7 @@ def check_expert_parallel_paths(mesh, axes=("expert",)) -> None:
     device holds (`_check_buffer_sizes`); bfloat16 cases that keep bf16 in value and gradient
     (no float32 buffer sent or scattered back) and equal the float32 loop on the same rounded
     inputs to bf16's precision. Over more axes than "expert", the float32 cases only."""
-    from espo.model import moe
+    from espo.model import experts
 
     E, K = _EXPERTS, _TOP_K
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -146,10 +146,10 @@ def check_expert_parallel_paths(mesh, axes=("expert",)) -> None:
             cap = _most_sent(ids, mesh, E=E, axes=axes) - (cap == "full - 1")
         if path == "by capacity":  # all_to_all where the default send capacity holds
             n = math.prod(mesh.shape[a] for a in axes)
-            default = moe.capacity_for(M // sharding.batch_shards(mesh) * K, n)
+            default = experts.capacity_for(M // sharding.batch_shards(mesh) * K, n)
             path = [1, 0] if _most_sent(ids, mesh, E=E, axes=axes) <= default else [0, 1]
         ep = functools.partial(
-            moe.expert_parallel_dispatch,
+            experts.expert_parallel_dispatch,
             ids=ids,
             mode=mode,
             send_capacity=cap,
@@ -307,14 +307,14 @@ def _check_buffer_sizes(eqns, mesh, *, M, E, K, F, axes) -> None:
     replicated): each `all_to_all` sends `capacity_for(m K, n)` rows per destination, and the
     local experts' batched matmul is [E / n, capacity_for(m K, E / n), F]. (Any capacity gives
     the same values; a buffer sized from all M tokens would send 8x the rows.)"""
-    from espo.model import moe
+    from espo.model import experts
 
     n, shards = math.prod(mesh.shape[a] for a in axes), sharding.batch_shards(mesh)
     split = M % shards == 0
     m = M // shards if split else M
     sent = {v.aval.shape[0] for e in eqns if e.primitive.name == "all_to_all" for v in e.invars}
-    assert sent == ({n * moe.capacity_for(m * K, n)} if split else set()), (M, sent)
-    local = (E // n, moe.capacity_for(m * K, E // n), F)
+    assert sent == ({n * experts.capacity_for(m * K, n)} if split else set()), (M, sent)
+    local = (E // n, experts.capacity_for(m * K, E // n), F)
     assert any(v.aval.shape == local for e in eqns for v in e.outvars), (M, local)
 
 

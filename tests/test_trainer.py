@@ -357,7 +357,7 @@ def _free_port() -> int:
 def test_two_processes_with_expert_parallelism_equal_one_process(straight, tmp_path):
     """The same 3 steps (warm start, FP8 rollouts, replay, updates, eval) as 2 processes of 4
     emulated CPU devices (jax.distributed, gloo), one mesh data=2 x expert=4 over all 8: batches
-    split in two, each device holding 1 of the 4 experts (`moe.expert_parallel_dispatch`).
+    split in two, each device holding 1 of the 4 experts (`experts.expert_parallel_dispatch`).
     Sums run in another order: equal within 1e-5. Only process 0 writes logs; its checkpoint
     then resumes in one process of one device, as if the run had never been split."""
     workdir = tmp_path / "two"

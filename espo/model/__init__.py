@@ -46,9 +46,9 @@ from espo.model.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoin
 
 __all__ += ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint"]
 
-from espo.model import attention, gpu_attention, grouped, head, moe  # noqa: E402
+from espo.model import attention, experts, gpu_attention, grouped, head, moe  # noqa: E402
 
 __all__ += [
-    "attention", "config", "gpu_attention", "grouped", "handle", "head", "hf", "layers", "moe",
-    "transformer",
+    "attention", "config", "experts", "gpu_attention", "grouped", "handle", "head", "hf", "layers",
+    "moe", "transformer",
 ]  # fmt: skip

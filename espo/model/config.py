@@ -24,7 +24,7 @@ REMAT_POLICIES = ("none", "full", "dots_with_no_batch_dims_saveable")
 # The fields that say how to compute, not what the model is: a run's config sets them on a
 # Hugging Face checkpoint's architecture too (espo.trainer.initial_model).
 COMPUTE_FIELDS = ("attention_impl", "moe_impl", "remat", "logits_chunk", "moe_chunk")
-# espo.model.moe.expert_ffn's paths (`moe.DISPATCH_IMPLS`)
+# espo.model.experts.expert_ffn's paths (`experts.DISPATCH_IMPLS`)
 MOE_IMPLS = ("auto", "ragged", "capacity", "blocked", "mosaic_gpu", "triton", "megablox")
 LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits of one chunk when logits_chunk is 0 (256 MiB)
 
@@ -100,8 +100,9 @@ class ModelConfig:
     # "dense" (the [B, N, T, G, S] logits at once), "blocked" (flash in XLA, memory linear in
     # T), "triton" (JAX's Pallas GPU flash kernel) or "splash" (JAX's TPU splash attention)
     attention_impl: str = "auto"
-    # the MoE blocks' grouped matmuls (`MOE_IMPLS`, espo.model.moe): "auto" (`moe.default_impl`:
-    # by backend and rows), or one path for every forward, the sampler's and the update's
+    # the MoE blocks' grouped matmuls (`MOE_IMPLS`, espo.model.experts): "auto"
+    # (`experts.default_impl`: by backend and rows), or one path for every forward, the
+    # sampler's and the update's
     moe_impl: str = "auto"
     # rematerialisation of each layer in the backward (`REMAT_POLICIES`): "none" keeps every
     # layer's activations, "full" only each layer's input (the long-trace setting: least memory,
@@ -111,12 +112,12 @@ class ModelConfig:
     # [tokens, V] float32 logits exist one chunk at a time; 0: as many as keep one chunk's
     # logits at LOGITS_CHUNK_ELEMENTS
     logits_chunk: int = 0
-    # tokens of each row per chunk of the MoE blocks' dispatch (`moe.dispatch_in_chunks`): the
+    # tokens of each row per chunk of the MoE blocks' dispatch (`experts.dispatch_in_chunks`): the
     # per-(token, expert) buffers exist one chunk at a time, each recomputed in the backward;
     # 0: the whole rows at once
     moe_chunk: int = 0
     # the mesh axes the experts are split over in the MoE blocks' expert parallelism
-    # (`moe.expert_parallel_dispatch`): ("expert",) as trained; the rollout's "experts_all"
+    # (`experts.expert_parallel_dispatch`): ("expert",) as trained; the rollout's "experts_all"
     # layout (`sharding.EXPERT_AXES`) splits them over every axis of the mesh
     expert_axes: tuple[str, ...] = ("expert",)
 

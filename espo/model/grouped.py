@@ -4,7 +4,8 @@
 `w` [G, K, N], computing only the rows' own group (a grouped GEMM). On NVIDIA GPUs XLA rewrites
 `jax.lax.ragged_dot` into a dense matmul over every group (`experiments/bench_moe.py`: 16x the
 useful FLOPs at decode rows, 5.9-6.5x the time of this path forward + backward at update rows
-on an H100), so `moe.expert_ffn(impl="mosaic_gpu")` runs the experts through this module instead:
+on an H100), so `experts.expert_ffn(impl="mosaic_gpu")` runs the experts through this module
+instead:
   * forward and dx: `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (dx with
     `transpose_rhs`, i.e. dy [R, N] x w[g]^T);
   * dw: `transposed_ragged_dot_mgpu.transposed_ragged_dot`, x[group]^T dy[group] per group
@@ -312,7 +313,7 @@ def swiglu_experts(
     *,
     kernels: str = "auto",
 ) -> Float[Array, "R D"]:
-    """`moe.expert_ffn`'s SwiGLU experts over `gmm`; kernels "auto": Mosaic GPU where they run
+    """`experts.expert_ffn`'s SwiGLU experts over `gmm`; kernels "auto": Mosaic GPU where they run
     (`supported`), the reference elsewhere."""
     if kernels == "auto":
         fits = experts_supported(xs.dtype, *w_gate.shape[1:])

@@ -37,7 +37,7 @@ class ModelAux:
     # replay_missing="error" a caller that jits `forward` without `checkify` must check it is 0
     # (`check_replay` names the layer and positions); under "free" it counts the fallbacks.
     num_unrecorded_routes: Int[Array, " "]
-    # MoE layers by the expert-parallel path they took (`moe.EP_PATHS`: all_to_all, all_gather);
+    # MoE layers by the expert-parallel path they took (`experts.EP_PATHS`: all_to_all, all_gather);
     # zeros without an expert axis in the context mesh.
     expert_parallel: Int[Array, " 2"]
     # The router's own top-k at every layer [B, L, T, K] (-1 at dense layers): the experts used
@@ -325,10 +325,10 @@ def forward(
       cache: a `KVCache`; the T tokens are written at slots [cache.index, cache.index + T).
       routing: a `RouterTrace` [B, L, T, K] to replay (required unless routing_mode is FREE).
       routing_mode: static; see `RoutingMode`.
-      dispatch_impl: static; "auto" (`cfg.moe_impl`, whose "auto" is `moe.default_impl`:
+      dispatch_impl: static; "auto" (`cfg.moe_impl`, whose "auto" is `experts.default_impl`:
         capacity on CPU, Triton / Mosaic GPU kernels on GPUs, ragged / megablox on TPUs, by
         rows), "capacity", "ragged", "blocked", "mosaic_gpu", "triton" or "megablox"
-        (`moe.expert_ffn`).
+        (`experts.expert_ffn`).
       return_hidden: static; also return the final-norm hidden state [B, T, D] (for value or
         reward heads).
       return_logits: static; False skips the head: `logits` is None (callers that project

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from espo.model import grouped, moe
+from espo.model import experts, grouped
 from espo.testing import raises_invalid
 
 R, K, N, G = 40, 64, 128, 6
@@ -209,7 +209,7 @@ def test_megablox_kernels_value_and_gradients_equal_the_group_loop(groups):
 
 
 def test_megablox_kernels_lower_for_tpu_without_a_tpu():
-    """`moe.expert_ffn(impl="megablox")` and its VJP go through Pallas' Mosaic TPU lowering here
+    """`experts.expert_ffn(impl="megablox")` and its VJP go through Pallas' Mosaic TPU lowering here
     (what a TPU compiles) at the bench model's widths in bf16: per matmul of the SwiGLU three
     kernels (gmm forward and dx, tgmm dw; the kernel functions, called once each, are shared
     between calls of the same shape), and no dense dot."""
@@ -218,7 +218,7 @@ def test_megablox_kernels_lower_for_tpu_without_a_tpu():
     w_out = jnp.zeros((16, 1408, 2048), jnp.bfloat16)
 
     def loss(x, *w):
-        y = moe.expert_ffn(x, sizes, *w, impl="megablox")
+        y = experts.expert_ffn(x, sizes, *w, impl="megablox")
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     with mock.patch.object(jax, "default_backend", lambda: "tpu"):  # compiled, not interpreted
@@ -242,7 +242,7 @@ def test_swiglu_experts_equal_xla_ragged_dispatch_and_refuse_unknown_kernels():
         return jnp.sum(jnp.sin(ffn(*a)))
 
     ours = lambda *a: grouped.swiglu_experts(*a, kernels="reference")  # noqa: E731
-    ragged = lambda *a: moe.expert_ffn(*a, impl="ragged")  # noqa: E731
+    ragged = lambda *a: experts.expert_ffn(*a, impl="ragged")  # noqa: E731
     args = (xs, sizes, w_gate, w_up, w_down)
     np.testing.assert_allclose(ours(*args), ragged(*args), atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(ours(*args)[26:], 0)  # rows past the groups

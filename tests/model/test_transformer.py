@@ -59,15 +59,15 @@ def test_model_moe_impl_picks_the_dispatch_path_and_a_forwards_own_wins(
     params, tokens, monkeypatch
 ):
     """`ModelConfig.moe_impl` is the path of every MoE block where the forward says "auto";
-    a forward's explicit `dispatch_impl` wins; "auto" in both is `moe.default_impl` (capacity
+    a forward's explicit `dispatch_impl` wins; "auto" in both is `experts.default_impl` (capacity
     on CPU). Each config's logits equal the capacity path's."""
-    seen, expert_ffn = [], model.moe.expert_ffn
+    seen, expert_ffn = [], model.experts.expert_ffn
 
     def spy(*args, impl, **kw):
         seen.append(impl)
         return expert_ffn(*args, impl=impl, **kw)
 
-    monkeypatch.setattr(model.moe, "expert_ffn", spy)
+    monkeypatch.setattr(model.experts, "expert_ffn", spy)
     want = model.forward(CFG, params, tokens).logits
     cases = [("auto", "auto", "capacity"), ("ragged", "auto", "ragged")]
     cases += [("ragged", "blocked", "blocked"), ("auto", "ragged", "ragged")]
