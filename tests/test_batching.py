@@ -1,20 +1,24 @@
-"""espo.batching: a batch table of rollout rows -> the fixed-shape TrainBatch."""
+"""espo.batching: a batch table of rollout rows -> the fixed-shape TrainBatch, `trim` to buckets
+and the mini- / micro-batches of `minibatches`."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
-from espo import batching, types
+from espo import batching, scheduling, types
 from espo import zero_variance as zv
 
 L, K, PAD = 2, 2, 0
 
 
-def _rollout(rng, *, sizes, tp, tg) -> types.Rollout:
-    """A prompt-major rollout with random tokens, ragged masks and a recorded router trace."""
+def _rollout(rng, *, sizes, tp, tg, plen=None, clen=None) -> types.Rollout:
+    """A prompt-major rollout with random tokens, ragged masks and a recorded router trace;
+    prompt / completion lengths `plen` / `clen` [n] as given, else random."""
     n = sum(sizes)
-    plen, clen = rng.integers(1, tp + 1, n), rng.integers(1, tg + 1, n)
+    plen = rng.integers(1, tp + 1, n) if plen is None else np.asarray(plen)
+    clen = rng.integers(1, tg + 1, n) if clen is None else np.asarray(clen)
     prompt_mask = np.arange(tp) >= tp - plen[:, None]  # [n, tp] left-padded
     mask = np.arange(tg) < clen[:, None]  # [n, tg]
     trace_mask = np.concatenate([prompt_mask, mask], 1)[:, None, :, None]  # [n, 1, T, 1]
@@ -82,3 +86,92 @@ def test_train_batch_from_a_batch_table_of_two_calls():
     with pytest.raises(ValueError, match="lacks"):
         batching.make_train_batch(zv.Groups.of(prompt_ids=["x"], rewards=[[1.0]]), num_rows=4,
                                   pad_id=PAD)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "longest_prompt, longest_completion, widths",
+    [
+        (4, 4, (4, 4)),  # exactly at a bucket boundary: that bucket
+        (5, 5, (8, 8)),  # one past it: the next bucket
+        (3, 3, (4, 4)),  # one short of it
+        (1, 1, (2, 2)),
+        (8, 9, (8, 12)),  # the prompt slot is whole; the generation slot's last bucket is 12
+    ],
+)
+def test_trim_keeps_every_real_column_at_bucket_boundaries(
+    longest_prompt, longest_completion, widths
+):
+    # Fixed widths Tp = 8, Tg = 12, buckets 2, 4, 8 (prompt) and 2, 4, 8, 12 (generation): the
+    # trimmed batch is [Tp - bp, Tp + bg) with bp / bg the buckets of the longest prompt /
+    # completion (by hand above), and every real token, loss token and trace entry survives.
+    # Wrong answers: a bucket of the last real column's index instead of its count (5 -> 4,
+    # dropping column 4 of the completion), or of the first padded column's.
+    rng = np.random.default_rng(1)
+    Tp, Tg = 8, 12
+    plen, clen = [1, longest_prompt, 2], [longest_completion, 1, 1]
+    r = _rollout(rng, sizes=[3], tp=Tp, tg=Tg, plen=plen, clen=clen)
+    rows = batching.rollout_rows(r, prompt_length=Tp, generation_length=Tg, pad_id=PAD)
+    table = zv.Groups(prompt_ids=["p"], group_ids=r.group_ids, rewards=r.rewards, rows=rows)
+    batch = batching.make_train_batch(table, num_rows=4, pad_id=PAD)
+    buckets = scheduling.LengthBuckets(prompt_buckets=(2, 4, 8), generation_buckets=(2, 4, 8, 12))
+    trimmed = batching.trim(batch, prompt_length=Tp, buckets=buckets)
+    bp, bg = widths
+    cols = slice(Tp - bp, Tp + bg)
+    assert trimmed.tokens.shape == (4, bp + bg)
+    assert trimmed.router.expert_ids.shape[2] == bp + bg
+    for name in ("tokens", "attention_mask", "loss_mask", "sampler_logps"):
+        np.testing.assert_array_equal(getattr(trimmed, name), getattr(batch, name)[:, cols], name)
+    assert trimmed.attention_mask.sum() == sum(plen) + sum(clen)
+    assert trimmed.loss_mask.sum() == batch.loss_mask.sum() == sum(clen)
+    assert (trimmed.router.expert_ids >= 0).sum() == (batch.router.expert_ids >= 0).sum()
+
+
+def _tagged_batch(num_rows: int) -> batching.TrainBatch:
+    """A TrainBatch of `num_rows` rows (groups of 4) whose `advantages` tag each row: 0, 1, ..."""
+    rng = np.random.default_rng(2)
+    r = _rollout(rng, sizes=[4] * (num_rows // 4), tp=3, tg=4)
+    rows = batching.rollout_rows(r, prompt_length=3, generation_length=4, pad_id=PAD)
+    ids = [f"p{i}" for i in range(num_rows // 4)]
+    table = zv.Groups(prompt_ids=ids, group_ids=r.group_ids, rewards=r.rewards, rows=rows)
+    batch = batching.make_train_batch(table, num_rows=num_rows, pad_id=PAD)
+    return batch.replace(advantages=np.arange(num_rows, dtype=np.float32))
+
+
+@pytest.mark.parametrize("mini_batch_size", [16, 8])
+def test_minibatches_cover_every_row_once_per_epoch_and_reshuffle_each_epoch(mini_batch_size):
+    # 16 rows, micro-batches of 2, two epochs: each mini-batch is [mini / micro, micro, ...];
+    # every epoch holds every row exactly once, in a new order (the key is folded with the
+    # epoch), also with a single mini-batch (several epochs shuffle too), and the whole thing is
+    # a function of the key. Wrong answers: the same order every epoch (the key not folded, or
+    # no shuffle for one mini-batch), [micro, mini / micro] micro-batches, a row seen twice.
+    batch = _tagged_batch(16)
+    run = lambda key: [
+        np.asarray(mini.advantages)
+        for mini in batching.minibatches(
+            batch, mini_batch_size=mini_batch_size, micro_batch_size=2, epochs=2, key=key
+        )
+    ]
+    minis = run(jax.random.key(0))
+    per_epoch = 16 // mini_batch_size
+    assert len(minis) == 2 * per_epoch
+    assert all(m.shape == (mini_batch_size // 2, 2) for m in minis)
+    epochs = [np.concatenate([m.ravel() for m in minis[e * per_epoch : (e + 1) * per_epoch]])
+              for e in range(2)]  # fmt: skip
+    for order in epochs:
+        np.testing.assert_array_equal(np.sort(order), np.arange(16))
+    assert not np.array_equal(epochs[0], epochs[1])
+    again = run(jax.random.key(0))
+    for a, b in zip(minis, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_one_minibatch_one_epoch_keeps_the_row_order_in_strided_micro_batches():
+    # No shuffle with one mini-batch and one epoch; micro-batch i holds rows i, i + k, ... (k
+    # micro-batches), so the row axis stays the sharded one. By hand for 8 rows, k = 4.
+    batch = _tagged_batch(8)
+    (mini,) = batching.minibatches(
+        batch, mini_batch_size=8, micro_batch_size=2, epochs=1, key=jax.random.key(0)
+    )
+    np.testing.assert_array_equal(mini.advantages, [[0, 4], [1, 5], [2, 6], [3, 7]])
+    np.testing.assert_array_equal(mini.tokens[1, 1], batch.tokens[5])
+    np.testing.assert_array_equal(batching.unsplit(mini).advantages, np.arange(8))

@@ -200,6 +200,28 @@ class HandTest(parameterized.TestCase):
         assert float(out.loss) == pytest.approx(-1.3, abs=1e-6)
 
 
+@pytest.mark.parametrize("band", [(1.0, 2.0), (0.5, 1.0)], ids=["low_end", "high_end"])
+@pytest.mark.parametrize("mode", ["token", "sequence", "icepop"])
+def test_a_ratio_exactly_on_a_band_end_is_kept(mode, band):
+    # The band is closed: a token (or sequence) is rejected only OUTSIDE [low, high]. log rho is
+    # exactly 0 (rho = 1, each band's end) on row 0 and [+3, -3] on row 1 (padding holds NaN);
+    # row 1's geometric mean is exp(0) = 1 too. Token modes keep row 0 and reject e^3 and e^-3;
+    # "sequence" keeps both rows. Wrong (an open band, rho > low or rho < high): row 0 rejected.
+    mask = np.array([[True, True, True], [True, True, False]])
+    sampler = np.where(mask, -1.0, np.nan)
+    old = np.where(mask, -1.0 + np.array([[0.0, 0.0, 0.0], [3.0, -3.0, 0.0]]), np.nan)
+    cfg = loss_config(rollout_rs=mode, rollout_rs_low=band[0], rollout_rs_high=band[1])
+    out = correction.correct(
+        cfg,
+        old_logps=jnp.asarray(old, jnp.float32),
+        sampler_logps=jnp.asarray(sampler, jnp.float32),
+        mask=mask,
+    )
+    keep = mask if mode == "sequence" else np.array([[True] * 3, [False] * 3])
+    np.testing.assert_array_equal(out.keep_mask, keep)
+    np.testing.assert_array_equal(out.weights, keep.astype(np.float32))
+
+
 # ---- invariances over every loss and aggregation ------------------------------------------------
 B, T = 4, 6
 LOSS_CONFIGS = [

@@ -178,6 +178,20 @@ def test_from_config_builds_stages_and_max_new_tokens():
     assert curriculum.Curriculum.from_config(cfg.stages).stages == cur.stages
 
 
+def test_largest_budget_and_group_size_are_over_every_stage_not_the_last():
+    # They size the compiled buffers and the batch rows, so they are the maxima over all stages
+    # whatever the order: here the first stage has the largest G and the longest budget. Wrong
+    # (the last stage's, as if stages only grew): 96 and 8, a buffer stage "a" overflows.
+    cur = curriculum.Curriculum(
+        [
+            curriculum.Stage(name="a", group_size=16, max_new_tokens=128),
+            curriculum.Stage(name="b", group_size=4, max_new_tokens=64),
+            curriculum.Stage(name="c", group_size=8, max_new_tokens=96),
+        ]
+    )
+    assert (cur.max_new_tokens, cur.max_group_size) == (128, 16)
+
+
 def test_from_config_errors_name_the_stage_and_key():
     with raises_invalid("steps_", where="curriculum.stages[1]"):
         curriculum.Curriculum.from_config([dict(name="a"), dict(name="b", steps_=3)])

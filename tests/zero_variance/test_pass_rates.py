@@ -315,10 +315,12 @@ def test_pass_rate_history_updates_and_serialises():
 
 
 def test_pass_rate_history_skips_failed_samples_and_judge_groups():
-    # issue 7 #2: [1, 0 (failed), 1, 0] counts 2 passes and 1 failure, not 2 and 2.
+    # issue 7 #2: [1, 1 (failed), 1, 0] counts 2 passes and 1 failure: a failed row's reward
+    # may hold anything and is never read. Wrong: 3 and 1 (its reward read as a pass), or 2
+    # and 2 (counted as a failure).
     history = zv.PassRateHistory()
     valid = np.array([True, False, True, True])
-    history.update(zv.Groups.of(prompt_ids=["a"], rewards=[[1.0, 0.0, 1.0, 0.0]], valid=[valid]))
+    history.update(zv.Groups.of(prompt_ids=["a"], rewards=[[1.0, 1.0, 1.0, 0.0]], valid=[valid]))
     assert history.counts == {"a": [2.0, 1.0]}
     # A judge's relative rewards (unverifiable) and an all-failed group say nothing.
     history.update(zv.Groups.of(
