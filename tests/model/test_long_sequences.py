@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo import train_step, types
+from espo import testing, train_step, types
 from espo.model import RoutingMode, attention, transformer
 from espo.model.config import ModelConfig
 
@@ -55,6 +55,27 @@ def test_remat_and_chunks_each_cut_memory(small_blocks):
     base = _temp_bytes(cfg, 1024)
     assert base < 0.5 * _temp_bytes(cfg.replace(remat="none"), 1024)
     assert base < 0.5 * _temp_bytes(cfg.replace(logits_chunk=10**6), 1024)
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots_with_no_batch_dims_saveable"])
+@pytest.mark.parametrize("scanned", [True, False])
+def test_remat_policy_wraps_every_layer_of_either_loop(remat, scanned):
+    """`model.remat` reaches both layer loops of a model with two layer runs (a leading dense
+    layer): one rematerialised scan body per run, or one rematerialised block per unrolled
+    layer, each with the named policy. Structure, not memory: the values are the same either
+    way (test_long_settings_keep_values_and_gradients), and XLA:CPU's temporaries barely move
+    with remat in the unrolled loop (it schedules each recomputation early)."""
+    cfg = _MIXED.replace(remat=remat)
+    params = transformer.param_shapes(cfg)
+    if not scanned:
+        params = jax.eval_shape(lambda p: transformer.unstack_layers(cfg, p), params)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p: transformer.forward(cfg, p, tokens).logits)(params)
+    remats = [e for e, _ in testing.jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "remat2"]
+    want = 0 if remat == "none" else len(cfg.layer_runs()) if scanned else cfg.num_layers
+    assert len(remats) == want
+    policy = None if remat in ("none", "full") else getattr(jax.checkpoint_policies, remat)
+    assert all(e.params["policy"] == policy for e in remats)
 
 
 def test_moe_chunks_cut_memory():
