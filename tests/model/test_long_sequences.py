@@ -76,6 +76,8 @@ def test_remat_policy_wraps_every_layer_of_either_loop(remat, scanned):
     assert len(remats) == want
     policy = None if remat in ("none", "full") else getattr(jax.checkpoint_policies, remat)
     assert all(e.params["policy"] == policy for e in remats)
+    # Unrolled, nothing but prevent_cse keeps XLA from merging the recomputation with the forward.
+    assert all(e.params["prevent_cse"] == (not scanned) for e in remats)
 
 
 def test_moe_chunks_cut_memory():

@@ -1,6 +1,7 @@
 """The pure forward: cached decode, router replay, padding, and real-size shapes."""
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from espo import model, quant, types
-from espo.model import ModelConfig, RoutingMode
+from espo.model import ModelConfig, RoutingMode, attention
 
 CFG = ModelConfig.tiny(num_layers=3, dense_layers=(1,), dense_ffn_dim=48, norm_topk_prob=False)
 
@@ -77,6 +78,20 @@ def test_model_moe_impl_picks_the_dispatch_path_and_a_forwards_own_wins(
         got = model.forward(cfg, params, tokens, dispatch_impl=dispatch_impl).logits
         assert seen and set(seen) == {path}, (moe_impl, dispatch_impl, seen)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["triton", "splash"])
+def test_a_kernel_setting_runs_a_cached_forward_on_the_xla_forms(params, tokens, impl):
+    """model.attention_impl a backend kernel (masks causal by index, for a forward's own
+    tokens): a forward over a cache's slots (a prefill of 5 tokens into 16 slots) never calls
+    it, and gives the dense form's logits."""
+    cache = model.init_cache(CFG, batch=2, max_length=16)
+    want = forward_of(CFG.replace(attention_impl="dense"))(params, tokens[:, :5], cache=cache)
+    never = mock.Mock(side_effect=AssertionError(f"{impl} kernel called over a cache"))
+    with mock.patch.dict(attention.KERNELS, {impl: never}):  # a fresh jit: traced here
+        fwd = jax.jit(functools.partial(model.forward, CFG.replace(attention_impl=impl)))
+        got = fwd(params, tokens[:, :5], cache=cache)
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
