@@ -64,7 +64,7 @@ def test_remat_policy_wraps_every_layer_of_either_loop(remat, scanned):
     layer): one rematerialised scan body per run, or one rematerialised block per unrolled
     layer, each with the named policy. Structure, not memory: the values are the same either
     way (test_long_settings_keep_values_and_gradients), and XLA:CPU's temporaries barely move
-    with remat in the unrolled loop (it schedules each recomputation early)."""
+    with remat in the unrolled loop (`transformer.remat_block`)."""
     cfg = _MIXED.replace(remat=remat)
     params = transformer.param_shapes(cfg)
     if not scanned:
