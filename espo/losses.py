@@ -315,6 +315,14 @@ def _output(num, den, metrics) -> types.LossOutput:
     return types.LossOutput(numerator=num, denominator=den, metrics=metrics)
 
 
+def _aggregated(cfg: LossConfig, batch: Batch, token_losses, metrics) -> types.LossOutput:
+    """Per-token losses, weighted by the sampler's IS weights plus the penalty, aggregated as
+    `cfg` says (`aggregate`)."""
+    weighted = batch.is_weights * token_losses + batch.penalty  # [B, T]
+    num, den = aggregate(weighted, batch.mask, agg=cfg.agg_mode, norm_length=cfg.norm_length)
+    return _output(num, den, metrics)
+
+
 # ---- losses -----------------------------------------------------------------------------------
 @register("grpo", clip_low=0.2, clip_high=0.2, agg="token-mean")
 def grpo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
@@ -337,13 +345,7 @@ def grpo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
         dual_bound = -a * cfg.dual_clip  # [B, T] pg_losses3
         metrics["dual_clip_frac"] = _token_mean((token_losses > dual_bound) & (a < 0), batch.mask)
         token_losses = jnp.where(a < 0, jnp.minimum(token_losses, dual_bound), token_losses)
-    num, den = aggregate(
-        batch.is_weights * token_losses + batch.penalty,
-        batch.mask,
-        agg=cfg.agg_mode,
-        norm_length=cfg.norm_length,
-    )
-    return _output(num, den, metrics)
+    return _aggregated(cfg, batch, token_losses, metrics)
 
 
 @register("gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean")
@@ -369,13 +371,7 @@ def gspo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
     token_losses, indicators = _ppo_clip(
         ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, batch.advantages
     )
-    num, den = aggregate(
-        batch.is_weights * token_losses + batch.penalty,
-        batch.mask,
-        agg=cfg.agg_mode,
-        norm_length=cfg.norm_length,
-    )
-    return _output(num, den, _ratio_metrics(ratio, indicators, batch.mask))
+    return _aggregated(cfg, batch, token_losses, _ratio_metrics(ratio, indicators, batch.mask))
 
 
 def entropy_groups(
@@ -513,13 +509,7 @@ def cispo_loss(cfg: LossConfig, batch: Batch) -> types.LossOutput:
     weight = _sg(jnp.clip(ratio, low, high))  # [B, T]
     token_losses = -weight * batch.advantages * batch.logps  # [B, T]
     indicators = {"clip_frac_low": ratio < low, "clip_frac_high": ratio > high}
-    num, den = aggregate(
-        batch.is_weights * token_losses + batch.penalty,
-        batch.mask,
-        agg=cfg.agg_mode,
-        norm_length=cfg.norm_length,
-    )
-    return _output(num, den, _ratio_metrics(ratio, indicators, batch.mask))
+    return _aggregated(cfg, batch, token_losses, _ratio_metrics(ratio, indicators, batch.mask))
 
 
 # ---- entry point ------------------------------------------------------------------------------
