@@ -163,8 +163,8 @@ def _run_pass(
 
 
 def _majority_correct(answers: np.ndarray, correct: np.ndarray) -> bool:
-    """Whether the most frequent of one prompt's sampled answers (the first to reach the top
-    count) is a correct one."""
+    """Whether the most frequent of one prompt's sampled answers (on a tie, the one sampled
+    first) is a correct one."""
     texts = list(answers)
     top = max(texts, key=lambda a: (texts.count(a), -texts.index(a)))
     return bool(correct[texts.index(top)])
@@ -208,8 +208,8 @@ def evaluate(
         "eval/right_answer_wrong_process" (share of the correct greedy completions whose
         process is wrong).
       answer_fn: answer_fn(completion_text) -> the final answer's text; adds f"eval/maj@{k}":
-        the share of prompts whose most frequent sampled answer (the first to reach the top
-        count) is correct.
+        the share of prompts whose most frequent sampled answer (on a tie, the one sampled
+        first) is correct.
     Returns:
       Python floats keyed "eval/pass@1", f"eval/avg@{k}", f"eval/pass@{k}" (k > 1),
       "eval/reward_mean", "eval/mean_length", "eval/greedy_mean_length", "eval/num_prompts".

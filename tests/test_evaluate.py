@@ -150,7 +150,8 @@ def test_majority_takes_the_most_frequent_answer_first_on_ties():
     answers = np.array(["a", "b", "b", "c"], object)
     assert evaluate._majority_correct(answers, np.array([True, False, False, True])) is False
     assert evaluate._majority_correct(answers, np.array([False, True, True, False])) is True
-    tie = np.array(["x", "y", "y", "x"], object)  # both twice: "x" reached the top count first
+    # Both twice: "x" was sampled first ("y" reached its second vote first; not the rule).
+    tie = np.array(["x", "y", "y", "x"], object)
     assert evaluate._majority_correct(tie, np.array([True, False, False, True])) is True
 
 
@@ -188,7 +189,8 @@ def test_batches_get_different_keys_and_pass_k_bounds_avg_k():
     P, k = 6, 4
     reward = Recorder(correct=lambda completion, meta: completion[0] in "012")
     cfg = evaluate.EvalConfig(samples=k, max_new_tokens=6, batch_size=k, temperature=1.0)
-    got = _run(UNIFORM, [[3]] * P, reward=reward, cfg=cfg)
+    first = lambda completion: completion[0]  # noqa: E731  the answer maj@k votes on
+    got = _run(UNIFORM, [[3]] * P, reward=reward, cfg=cfg, answer_fn=first)
     sampled = reward.calls[P:]
     per_prompt = [tuple(c for i, c in sampled if i == p) for p in range(P)]
     assert all(len(s) == k for s in per_prompt)
@@ -199,9 +201,15 @@ def test_batches_get_different_keys_and_pass_k_bounds_avg_k():
     assert got["eval/pass@4"] == pytest.approx(correct.any(axis=1).mean())
     assert got["eval/mean_length"] == pytest.approx(np.mean([len(c) for _, c in sampled]))
     assert 1.0 > got["eval/pass@4"] > got["eval/avg@4"] > 0.0
+    # maj@4 by a loop over the sampled answers: the most frequent, on a tie the one seen first.
+    majority = [
+        max(s, key=lambda c: ([a[0] for a in s].count(c[0]), -s.index(c))) for s in per_prompt
+    ]
+    assert got["eval/maj@4"] == pytest.approx(np.mean([m[0] in "012" for m in majority]))
+    assert got["eval/maj@4"] != pytest.approx(correct[:, 0].mean())  # not the first sample's
     # Same key: the same evaluation; another key: other samples.
     again = Recorder(reward.correct)
-    assert _run(UNIFORM, [[3]] * P, reward=again, cfg=cfg) == got
+    assert _run(UNIFORM, [[3]] * P, reward=again, cfg=cfg, answer_fn=first) == got
     assert again.calls == reward.calls
     other = Recorder(reward.correct)
     _run(UNIFORM, [[3]] * P, reward=other, cfg=cfg, key=1)

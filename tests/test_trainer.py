@@ -292,21 +292,24 @@ def test_resume_equals_uninterrupted_with_the_state_in_host_memory_during_rollou
 # than at the default 0.6), so that the tiny (nearly random) policy, which finds ~1 informative
 # group in 8, leaves groups over for later steps.
 # On configs/arithmetic.py: the tiny policy finds no informative group on the chains task.
+# A checkpoint every 2 steps: the last step (3) is saved all the same, step 1 is not.
 CARRY_OVER = dict(zve__mode="resample", zve__max_carry_over_steps=2, zve__oversample=16.0,
                   zve__max_oversample=16.0, rollout__temperature=1.0,
-                  file="arithmetic")  # fmt: skip
+                  checkpoint__every_steps=2, file="arithmetic")  # fmt: skip
 
 
 @pytest.mark.slow
 def test_resume_with_carried_over_groups_equals_uninterrupted(tmp_path):
     """The resample buffer (groups with their rollout rows) is checkpointed: a run that resumes
     at step 2 serves step 3 from the same carried-over groups as the uninterrupted run.
-    Wrong answer (the buffer not restored): step 3 generates instead, its metrics differ."""
+    Wrong answer (the buffer not restored): step 3 generates instead, its metrics differ.
+    With checkpoint.every_steps=2 the last step, 3, is saved although not a multiple of it."""
     _train_3_steps(tmp_path / "straight", **CARRY_OVER)
     rows = metrics.read_jsonl(tmp_path / "straight" / "metrics.jsonl")
     # The test only means something if step 2 left groups over and step 3 used them.
     assert rows[2]["zve/carried_out"] >= 1 and rows[3]["zve/carried_in"] >= 1, rows[2:]
     with checkpoint.Checkpointer(tmp_path / "straight" / "checkpoints", every_steps=1, keep=9) as c:
+        assert c.all_steps() == [2, 3]  # checkpoint.keep=2 of 0, 2 and the last step, 3
         host = c.restore_host(2)
     buffer = zero_variance.Groups.from_state_dict(checkpoint.arrays_from_json(host["buffer"]))
     assert buffer.num_groups == rows[2]["zve/carried_out"]
@@ -538,6 +541,54 @@ def test_the_training_stream_prefilters_on_the_pass_rate_history(mode, downweigh
     host = SimpleNamespace(history=history, curriculum=None, stream=_ListStream(exs))
     got = trainer._prompts(s, curr, host, lambda e: [0], stage_seed=0)
     assert [e.id for e in got] == want
+
+
+def test_every_field_of_the_host_state_comes_back_from_the_checkpoints_json():
+    """`_Host.state_dict` -> JSON -> `load` into a fresh `_Host` gives back every field: one
+    left out of the checkpoint, or saved but not restored, would resume as a fresh run's. The
+    resume tests cannot see the pass-rate history or the length predictor: on the tiny config
+    no prompt comes back within 3 steps and every chunk is budgeted max_new_tokens."""
+    from espo import curriculum, scheduling
+    from espo.data import examples as examples_lib
+    from espo.data import stream as stream_lib
+
+    exs = [examples_lib.Example(id=f"toy:{i}", prompt=f"p{i}", answer=str(i), difficulty=0.0,
+                                meta={"answer": str(i), "task": "toy"})
+           for i in range(5)]  # fmt: skip
+    source = sources.Source(name="toy", examples=exs)
+    fresh = lambda: trainer._Host(  # noqa: E731
+        stream=stream_lib.PromptStream(source, seed=3),
+        curriculum=curriculum.CurriculumState(),
+        history=zero_variance.PassRateHistory(),
+        predictor=scheduling.LengthPredictor(),
+        buffer=zero_variance.Groups.empty(),
+        start_eval={},
+    )
+    host = fresh()
+    host.stream.take(7, accept=lambda e: e.id != "toy:2")  # past an epoch, some rejected
+    host.curriculum = curriculum.CurriculumState(stage=1, steps_in_stage=2, accuracy_ema=0.25)
+    host.history.update(zero_variance.Groups.of(prompt_ids=["toy:1"], rewards=[[1.0, 0.0, 0.0]]))
+    requests = [scheduling.Request(prompt_id="toy:1", sample_index=j, prompt_length=4)
+                for j in range(2)]  # fmt: skip
+    host.predictor.observe_requests(requests, [3, 9])
+    host.buffer = zero_variance.Groups.of(
+        prompt_ids=["toy:4"], rewards=[np.array([1.0, 0.0], np.float32)],
+        rows={"tokens": [np.arange(6, dtype=np.int32).reshape(2, 3)]}, ages=np.array([1]),
+    )  # fmt: skip
+    host.start_eval = {"eval/pass@1": 0.5}
+    cfg = model_config.ModelConfig.tiny(vocab_size=64, num_layers=1)
+    back = fresh()
+    back.load(json.loads(json.dumps(host.state_dict(cfg))))
+
+    def of(h, name):  # a field as comparable JSON
+        value = getattr(h, name)
+        value = value.state_dict() if hasattr(value, "state_dict") else value
+        return json.dumps(checkpoint.arrays_to_json(value), sort_keys=True)
+
+    for field in dataclasses.fields(trainer._Host):
+        assert of(host, field.name) != of(fresh(), field.name), field.name  # a state to restore
+        assert of(back, field.name) == of(host, field.name), field.name
+    assert [e.id for e in back.stream.take(6)] == [e.id for e in host.stream.take(6)]
 
 
 def test_a_checkpoints_model_is_computed_as_the_run_says(tmp_path):
