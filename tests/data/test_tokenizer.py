@@ -97,6 +97,8 @@ def test_hf_tokenizer_stop_and_pad_ids(tmp_path, write_hf_tokenizer):
     path = write_hf_tokenizer(tmp_path / "b", eos_token_id="int", pad_token=None)
     tok = tokenizer_lib.HfTokenizer.from_dir(str(path))
     assert tok.stop_ids == (eot, im_end) and tok.pad_id == eot
+    # decode drops every stop id, not only the first (the pad): a turn may end on the second
+    assert tok.decode([*tok.encode(text), im_end]) == text
 
 
 def test_hf_tokenizer_pickles_and_reads_chat_template_jinja(tmp_path, write_hf_tokenizer):

@@ -58,6 +58,13 @@ def test_configured_values():
     assert reward("", "", {"answer": "3"}) == -0.5
 
 
+def test_float_rounding_reaches_math_verify():
+    """Numbers agree to float_rounding decimal places: 3.14 is pi's 3.14159 at 2, not at 6."""
+    completion, meta = r"\boxed{3.14}", {"answer": "3.14159"}
+    assert math_rewards.MathReward(float_rounding=2)("", completion, meta) == 1.0
+    assert math_rewards.MathReward(float_rounding=6)("", completion, meta) == 0.0
+
+
 def test_answer_key():
     reward = math_rewards.MathReward(answer_key="solution")
     assert reward("", r"\boxed{3}", {"solution": "3"}) == 1.0

@@ -30,6 +30,8 @@ def test_normalize_text():
         ("-3/4", F(-3, 4)),
         ("1,234", F(1234)),
         ("1,234,567.5", F(2469135, 2)),
+        ("-1,234", F(-1234)),  # a sign before thousands groups
+        ("+12,000.5", F(24001, 2)),
         (r"\frac{3}{4}", F(3, 4)),
         (r"-\dfrac{1}{8}", F(-1, 8)),
         (r"\frac12", F(1, 2)),
@@ -95,6 +97,14 @@ def test_numeric_match():
     assert loose("", r"\boxed{1000.9}", {"answer": "1000"}) == 1.0
     assert loose("", r"\boxed{1001.1}", {"answer": "1000"}) == 0.0
     assert loose("", "no answer", {"answer": "1000"}) == -1.0
+
+
+def test_numeric_match_fallback_to_text():
+    """fallback_to_text: a bare number after the reasoning block is the answer; without it, it
+    is no stated answer."""
+    completion, meta = "<think>3 * 4</think>\n 12 \n", {"answer": "12"}
+    assert procedural.NumericMatchReward(fallback_to_text=True)("", completion, meta) == 1.0
+    assert procedural.NumericMatchReward(unparsable=-1.0)("", completion, meta) == -1.0
 
 
 def test_numeric_gold_must_be_a_number():
