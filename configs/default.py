@@ -122,7 +122,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.z_loss_coef = 0.0  # router z-loss weight
     # How long rows are computed (values unchanged; docs/performance.md "Long traces"):
     c.model.attention_impl = "auto"  # auto | dense | blocked | triton | splash (model/attention.py)
-    c.model.moe_impl = "auto"  # auto | capacity | ragged | mosaic_gpu | triton | ... (model/experts.py)
+    c.model.moe_impl = "auto"  # auto | capacity | ragged | mosaic_gpu | ... (model/experts.py)
     c.model.remat = "none"  # none | full | dots_with_no_batch_dims_saveable: per-layer remat
     # (its memory saving needs train.scan_layers = True: unrolled, XLA keeps most temporaries)
     c.model.logits_chunk = 0  # tokens per chunk of the head's log-probs; 0: sized from V
