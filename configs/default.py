@@ -124,7 +124,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.attention_impl = "auto"  # auto | dense | blocked | triton | splash (model/attention.py)
     c.model.moe_impl = "auto"  # auto | capacity | ragged | mosaic_gpu | ... (model/experts.py)
     c.model.remat = "none"  # none | full | dots_with_no_batch_dims_saveable: per-layer remat
-    # (its memory saving needs train.scan_layers = True: unrolled, XLA keeps most temporaries)
+    # (on CPU its memory saving needs train.scan_layers = True: transformer.remat_block)
     c.model.logits_chunk = 0  # tokens per chunk of the head's log-probs; 0: sized from V
     c.model.moe_chunk = 0  # tokens of each row per chunk of the MoE dispatch; 0: whole rows
 

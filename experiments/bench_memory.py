@@ -7,6 +7,8 @@
       --settings long,long+remat=none,long+remat=dots_with_no_batch_dims_saveable
   python experiments/bench_memory.py --models qwen3_L1,qwen3_L2,qwen3_L4 --lengths 4096 \\
       --settings long,long+remat=none                               # the scan check
+  python experiments/bench_memory.py --models default --lengths 512,1024 \
+      --settings long,long+remat=none --unrolled       # remat in the unrolled loop (see above)
   PYTHONPATH=<libtpu dir> python experiments/bench_memory.py --tpu v5p:2x2x1 --models qwen3_30b
       # compiled for one v5p chip without a TPU (deviceless AOT; `pip install libtpu==0.0.42.1
       # --target <libtpu dir>`, as bench_moe.py --tpu): splash attention, megablox experts
@@ -261,6 +263,8 @@ def measure(point: dict) -> dict:
         return out.logps.sum()
 
     params = transformer.param_shapes(cfg)
+    if point.get("unrolled"):  # per-layer params: the unrolled layer loop
+        params = jax.eval_shape(lambda p: transformer.unstack_layers(cfg, p), params)
     args = [params, jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, T), bool)]
     if point["replay"]:
         shape = (B, cfg.num_layers, T, cfg.top_k)
@@ -384,6 +388,11 @@ def main(argv=None) -> None:
         action="store_true",
         help="diagnostic: JAX's scan partial eval without loop-invariant hoisting (docstring)",
     )
+    p.add_argument(
+        "--unrolled",
+        action="store_true",
+        help="the unrolled layer loop (per-layer params; train.scan_layers=False) for the scan",
+    )
     p.add_argument("--json", default="", help="write every row here")
     p.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: one point
     args = p.parse_args(argv)
@@ -413,7 +422,7 @@ def main(argv=None) -> None:
                         overrides={} if setting == "before" else parse_setting(setting),
                         buffers=args.buffers, max_rss_gb=args.max_rss_gb, tpu=args.tpu,
                         mesh=args.mesh,
-                        no_scan_hoisting=args.no_scan_hoisting,
+                        no_scan_hoisting=args.no_scan_hoisting, unrolled=args.unrolled,
                     )  # fmt: skip
                     r = run_point(point, tree, args.timeout)
                     r.update(tree=tree_name, model=model, setting=setting, length=T)

@@ -150,10 +150,11 @@ def remat_block(cfg: config_lib.ModelConfig, *, scanned: bool):
     the rest of the layer; "dots_with_no_batch_dims_saveable" also keeps what that
     `jax.checkpoint_policies` policy saves. One setting for the scanned and the unrolled
     layer loops (MaxText's `remat_policy`); a forward without a backward is unchanged.
-    Its memory saving is the scanned loop's: unrolled, the recomputation is compiled but XLA
-    keeps most of the temporaries (4 tiny layers, the gradient's temporaries, none -> full:
-    scanned 24.3 -> 7.2 MiB, unrolled 21.4 -> 20.5 on CPU at 512 tokens; for a TPU v5p at
-    2,048, 124.6 -> 28.8 and 94.6 -> 59.3), so long traces scan (`train.scan_layers`)."""
+    On XLA:CPU only the scanned loop gets the memory back: unrolled, the recomputation is
+    compiled but the temporaries stay (`bench_memory.py --models default --settings
+    long,long+remat=none [--unrolled]`, GiB at 1,024 tokens, none -> full: scanned 0.153 ->
+    0.045, unrolled 0.133 -> 0.124); compiled for a TPU v5p both loops do (2,048 tokens:
+    0.227 -> 0.066 and 0.147 -> 0.079). So long traces on CPU scan (`train.scan_layers`)."""
     if cfg.remat == "none":
         return Block
     policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
