@@ -20,13 +20,19 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(PY) experiments/run.py --config $(CONFIG)
 
+# --max-worker-restart 0: a worker that dies (a C++ abort) ends the session at once, naming the
+# test it died in; pytest-xdist 3.8's file scheduler re-queues a dead worker's finished files as
+# empty work units and can wait forever for them (pytest-xdist issues 784, 1378): stop 68's CI
+# sat 70 minutes after one worker aborted.
+XDIST = -n 2 --dist loadfile --max-worker-restart 0
+
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not multiprocess and not gpu" tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not multiprocess and not gpu" tests
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format .
