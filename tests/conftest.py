@@ -1,8 +1,8 @@
 """Shared pytest configuration.
 
 - float32 matmuls at full precision on every backend, so tolerances mean the same everywhere;
-- a persistent compilation cache, fresh per session, shared by the xdist workers and the
-  subprocesses (repeated tiny trainer runs compile once);
+- no persistent compilation cache, also where the environment names one (why: at
+  `jax_enable_compilation_cache` below);
 - XLA's CPU backend at optimisation level 0 and with its older elemental emitters for fusions
   (`--xla_cpu_use_fusion_emitters=false`): the tiny test programs spend most of their time
   compiling; LLVM's optimisation passes are a third of that (the 8-device sharded steps:
@@ -18,12 +18,9 @@
   shows up red instead of hiding as a skip. Locally skips stay skips.
 """
 
-import atexit
 import gc
 import importlib.metadata
 import os
-import shutil
-import tempfile
 
 import hypothesis
 import jax
@@ -44,20 +41,12 @@ _ACCELERATOR = any(
 for _FAST_COMPILE in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
     if not _ACCELERATOR and _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
-# A persistent compilation cache for this session: the many trainer runs of the tiny configs
-# (and other tests that build the same programs with new jit objects) compile once. Fresh per
-# session, so a run's timings never depend on an earlier one; one cache for the pytest-xdist
-# workers and the subprocesses the tests start (they inherit the environment). A half-written
-# entry read by another process is a warning and a recompile, never a wrong program.
-_ENV = "ESPO_TEST_JAX_CACHE"
-if not os.environ.get(_ENV):  # the first process of the session (the xdist controller) makes it
-    os.environ[_ENV] = tempfile.mkdtemp(prefix="espo_jax_cache_")
-    atexit.register(shutil.rmtree, os.environ[_ENV], ignore_errors=True)
-_CACHE_DIR = os.environ[_ENV]
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
-jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# No persistent compilation cache: one shared by the workers and subprocesses saved 46 s of
+# compiling over the whole suite (86 hits) and spent 64 s serialising and writing its 462
+# entries (counted with jax.monitoring's cache events, 2026-11-30); and stop 68's CI lost a worker
+# to an abort inside `executable.serialize()` while writing one. Off in subprocesses too.
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+jax.config.update("jax_enable_compilation_cache", False)
 # No Python traceback in each lowered op's location (JAX keeps 10 frames by default): lowering
 # the tests' many small programs is ~4% faster, and no test reads an op's source line.
 os.environ["JAX_TRACEBACK_IN_LOCATIONS_LIMIT"] = "0"
@@ -115,9 +104,5 @@ def _plots_without_pixels(request, monkeypatch):
 def in_memory_compiles():
     """For tests that count compilations by a jit's `_cache_size()`: that is the jit's share of
     jax.jit's global C++ dispatch cache (8192 entries, LRU), which a long test process fills
-    (the full suite only), after which it reads 0; `jax.clear_caches()` empties it. The
-    persistent cache is off too, so every program is compiled in this process."""
-    jax.config.update("jax_enable_compilation_cache", False)
+    (the full suite only), after which it reads 0; `jax.clear_caches()` empties it."""
     jax.clear_caches()
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)

@@ -3,9 +3,7 @@
 The kernel is this interpreter (the venv with espo installed), not whatever a machine happens to
 register as "python3": the kernelspec is installed into a temporary prefix and JUPYTER_PATH puts
 it first. Notebooks need espo alone: in the kernel torch and transformers (the test extras) fail
-to import, as on a machine without them. The kernel shares this session's persistent
-compilation cache (tests/conftest.py), so a program the session compiled already is not
-compiled again.
+to import, as on a machine without them.
 """
 
 import os
@@ -24,7 +22,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 KERNEL_NAME = "python3"
 # quickstart and router_replay take ~30 s on 2 CPU cores, zero_variance a few seconds, one cell a
 # few seconds. The trainer cell of training compiles the whole pipeline: ~100-140 s on 2 loaded
-# cores with a cold compilation cache, ~40 s warm.
+# cores.
 CELL_TIMEOUT_S = 300
 BLOCKED_MODULES = ("torch", "transformers")  # notebooks run without the test extras
 
@@ -36,7 +34,7 @@ def test_notebooks_exist():
 @pytest.fixture
 def venv_kernel(tmp_path, monkeypatch):
     """The "python3" kernel, bound to sys.executable whatever else is installed, without torch
-    and transformers, sharing the session's compilation cache."""
+    and transformers."""
     kernelspec.install(kernel_name=KERNEL_NAME, prefix=str(tmp_path))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
     blocked = tmp_path / "blocked"  # first on the kernel's path: `import torch` raises
@@ -46,7 +44,6 @@ def venv_kernel(tmp_path, monkeypatch):
         (blocked / name / "__init__.py").write_text(f"raise ModuleNotFoundError({message!r})\n")
     path = [str(blocked), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
-    # The kernel inherits the session's compilation cache from the environment (conftest.py).
     spec = jupyter_kernelspec.KernelSpecManager().get_kernel_spec(KERNEL_NAME)
     assert spec.argv[0] == sys.executable, (spec.argv, sys.executable)
     return KERNEL_NAME
