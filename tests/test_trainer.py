@@ -543,6 +543,35 @@ def test_the_training_stream_prefilters_on_the_pass_rate_history(mode, downweigh
     assert [e.id for e in got] == want
 
 
+def test_the_downweight_coin_keeps_its_share_and_changes_with_the_step():
+    """Under "downweight" a flagged prompt is kept with probability zve.prefilter_downweight,
+    by a coin of (prompt id, step): the same kept set on a rerun of a step (resume), another at
+    the next step (a coin of the id alone would drop the same prompts all run)."""
+    from types import SimpleNamespace
+
+    from espo.data import examples as examples_lib
+
+    ids = [f"p{i}" for i in range(400)]
+    history = zero_variance.PassRateHistory(prior=(1e-6, 1e-6))
+    history.update(zero_variance.Groups.of(prompt_ids=ids, rewards=[[1, 1, 1, 1]] * len(ids)))
+    exs = [examples_lib.Example(id=i, prompt=i, answer="1", difficulty=0.0,
+                                meta={"answer": "1", "task": "t"}) for i in ids]  # fmt: skip
+    zve = SimpleNamespace(prefilter="downweight", prefilter_low=0.01, prefilter_high=0.99,
+                          prefilter_downweight=0.25)  # fmt: skip
+    s = SimpleNamespace(zve=zve, max_prompt_length=100)
+    curr = SimpleNamespace(accepts=lambda state, difficulty, rate: True)
+
+    def kept(step):
+        host = SimpleNamespace(history=history, curriculum=None, stream=_ListStream(exs))
+        return {e.id for e in trainer._prompts(s, curr, host, lambda e: [0], stage_seed=step)}
+
+    first, again, second = kept(3), kept(3), kept(4)
+    assert first == again
+    for k in (first, second):  # Binomial(400, 0.25): 100 ± 8.7, bounds at ~4.6 sd
+        assert 60 <= len(k) <= 140, len(k)
+    assert len(first & second) < 0.5 * len(first)  # independent coins: ~25 shared
+
+
 def test_every_field_of_the_host_state_comes_back_from_the_checkpoints_json():
     """`_Host.state_dict` -> JSON -> `load` into a fresh `_Host` gives back every field: one
     left out of the checkpoint, or saved but not restored, would resume as a fresh run's. The
