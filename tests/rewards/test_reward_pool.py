@@ -5,6 +5,7 @@ Concurrency is proven by order of events (a barrier that only opens when the sam
 same time), never by elapsed time; `pytest.mark.timeout` turns a deadlock into a failure.
 """
 
+import multiprocessing
 import os
 import signal
 import time
@@ -34,11 +35,14 @@ def reward(prompt, completion, meta):
 )
 
 # The first attempt of a sample writes its worker's pid to <dir>/<completion>.pid and then
-# sleeps (to be killed from outside); an attempt that finds the file scores the sample.
+# sleeps (to be killed from outside); an attempt that finds the file scores the sample. Every
+# attempt appends the completion to <dir>/log first.
 KILLABLE = testing.FromSource(
     """
 def reward(prompt, completion, meta):
     import os, time
+    with open(os.path.join(meta["dir"], "log"), "a") as f:  # the order attempts start in
+        f.write(completion + "\\n")
     path = os.path.join(meta["dir"], completion + ".pid")
     if completion.startswith("victim") and not os.path.exists(path):
         with open(path + ".tmp", "w") as f:
@@ -46,6 +50,31 @@ def reward(prompt, completion, meta):
         os.replace(path + ".tmp", path)
         time.sleep(600)
     return len(completion) / 10
+"""
+)
+
+# Waits (up to 30 s) for the file meta["gate"] to exist, then scores len(completion) / 10.
+GATED = testing.FromSource(
+    """
+def reward(prompt, completion, meta):
+    import os, time
+    deadline = time.monotonic() + 30
+    while not os.path.exists(meta["gate"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the gate never opened")
+        time.sleep(0.005)
+    return len(completion) / 10
+"""
+)
+
+# Returns what meta["kind"] asks for: a bool, an int, garbage, or raises.
+ANSWERS = testing.FromSource(
+    """
+def reward(prompt, completion, meta):
+    kind = meta["kind"]
+    if kind == "raise":
+        raise ValueError("no answer")
+    return {"bool": True, "int": len(completion), "garbage": "not a number"}[kind]
 """
 )
 
@@ -179,3 +208,104 @@ def test_math_verify_runs_in_the_pool():
         res = p.score(items, timeout=120)
     assert res.status == ("ok", "ok", "ok")
     np.testing.assert_array_equal(res.rewards, [1.0, 0.0, 0.0])
+
+
+def test_booleans_are_invalid_rewards_but_integers_are_scores():
+    """A verifier that returns True/False forgot to map its verdict to a number: invalid."""
+    items = [("p", "abc", {"kind": "bool"}), ("p", "abc", {"kind": "int"})]
+    with pool.RewardPool(ANSWERS, num_workers=1) as p:
+        res = p.score(items, timeout=60)
+    assert res.status == ("invalid", "ok")
+    np.testing.assert_array_equal(res.ok, [False, True])
+    np.testing.assert_array_equal(res.rewards, [0.0, 3.0])
+
+
+def test_failed_samples_report_their_detokenized_text():
+    with pool.RewardPool(ANSWERS, num_workers=1, detokenize=str) as p:
+        items = [("p", [1, 2], {"kind": "raise"}), ("p", [3], {"kind": "garbage"})]
+        res = p.score(items, timeout=60)
+    assert res.status == ("error", "invalid")
+    assert res.completions == ("[1, 2]", "[3]")
+
+
+def test_token_ids_anywhere_in_a_batch_need_a_detokenizer():
+    with pool.RewardPool(testing.length_reward, num_workers=1) as p:
+        with pytest.raises(TypeError):
+            p.submit([("p", "abc", {}), ("p", [1, 2], {})])
+        # Nothing of the refused batch was queued: the next batch is scored alone.
+        res = p.score([("p", "abcd", {})], timeout=60)
+    np.testing.assert_allclose(res.rewards, [0.4])
+
+
+def test_task_ids_are_unique_across_submits_and_results_match_their_ids():
+    with pool.RewardPool(testing.length_reward, num_workers=2) as p:
+        first = p.submit([("p", "a", {}), ("p", "bb", {})])
+        second = p.submit([("p", "cccc", {})])
+        assert not set(first) & set(second)
+        np.testing.assert_allclose(p.results(second, timeout=60).rewards, [0.4])
+        np.testing.assert_allclose(p.results(first, timeout=60).rewards, [0.1, 0.2])
+
+
+@pytest.mark.timeout(120)
+def test_results_times_out_and_the_tasks_stay_collectable(tmp_path):
+    """results(timeout=) raises TimeoutError for unfinished tasks and keeps them for later; a
+    task already collected is gone (asking for it again times out)."""
+    gate = tmp_path / "gate"
+    with pool.RewardPool(GATED, num_workers=1, timeout_s=100) as p:
+        ids = p.submit([("p", "ab", {"gate": str(gate)})])
+        with pytest.raises(TimeoutError):
+            p.results(ids, timeout=0.2)
+        gate.touch()
+        res = p.results(ids, timeout=60)
+        assert res.status == ("ok",)
+        np.testing.assert_allclose(res.rewards, [0.2])
+        with pytest.raises(TimeoutError):
+            p.results(ids, timeout=0.2)
+
+
+@pytest.mark.timeout(120)
+def test_a_retried_sample_keeps_its_place_in_the_queue(tmp_path):
+    """One worker, the first sample's worker killed: its retry runs before the queued samples."""
+    items = [("p", name, {"dir": str(tmp_path)}) for name in ("victim-1", "a", "bb")]
+    with pool.RewardPool(KILLABLE, num_workers=1, timeout_s=300) as p:
+        ids = p.submit(items)
+        pid_file = tmp_path / "victim-1.pid"
+        while not pid_file.exists():
+            time.sleep(0.01)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        res = p.results(ids, timeout=100)
+    assert res.status == ("ok", "ok", "ok")
+    assert (tmp_path / "log").read_text().split() == ["victim-1", "victim-1", "a", "bb"]
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_whose_workers_cannot_start_counts_the_failed_tasks():
+    with pool.RewardPool(testing.UnloadableReward(), num_workers=1, timeout_s=5) as p:
+        p.score([("p", "abc", {})] * 2, timeout=120)
+        m = p.metrics()
+    assert (m["reward/num_error"], m["reward/num_ok"], m["reward/retries"]) == (2, 0, 0)
+
+
+def test_busy_seconds_add_up_the_scoring_time():
+    """A lower bound only: each of the two samples sleeps 0.3 s in its worker."""
+    with pool.RewardPool(testing.length_reward, num_workers=2) as p:
+        p.score([("p", "a", {"sleep": 0.3})] * 2, timeout=60)
+        assert p.metrics()["reward/busy_s"] >= 0.6
+
+
+@pytest.mark.timeout(120)
+def test_close_stops_every_worker_including_replacements():
+    before = {c.pid for c in multiprocessing.active_children()}
+    p = pool.RewardPool(testing.misbehaving_reward, num_workers=2, timeout_s=30)
+    res = p.score([("p", "crash", {}), ("p", "fine", {})], timeout=60)  # two replacements
+    assert res.status == ("crash", "ok")
+    assert {c.pid for c in multiprocessing.active_children()} - before  # the workers run
+    p.close()
+    assert not {c.pid for c in multiprocessing.active_children()} - before
+
+
+def test_a_closed_pool_refuses_new_samples():
+    p = pool.RewardPool(testing.length_reward, num_workers=1)
+    p.close()
+    with pytest.raises(RuntimeError):
+        p.submit([("p", "abc", {})])
