@@ -29,6 +29,11 @@ included 0. This run fixes everything before it starts:
 - Secondary (reported, no verdict): ESPO minus GSPO on the same metric and analysis; collapses
   / runs per loss (repro_lib.collapsed); final greedy pass@1; gradient use by advantage.
 Written to OUT (default runs/repro/optimizers_warm): results.md / results.json, heldout.png.
+
+Added after the result (every stressed run collapsed; not pre-registered): `--unstressed 10
+--warm-seeds 20 --seeds 30 --arms grpo,espo --warm-root runs/repro/optimizers_warm --out
+runs/repro/optimizers_warm_control`, the same warm start and evaluation under make run's update
+settings, to tell the stress's collapse from the task's.
 """
 
 from __future__ import annotations
@@ -58,9 +63,15 @@ EVAL = {
 }
 
 
-def common(preset: str) -> dict:
-    """Every RL run's overrides on top of the warm start's (`repro_system.long_completions`)."""
-    return {**repro_optimizers.STRESS[preset], **(EVAL if preset != "quick" else {})}
+def common(preset: str, unstressed: int = 0) -> dict:
+    """Every RL run's overrides on top of the warm start's (`repro_system.long_completions`).
+    `unstressed` > 0: the control added after the result (not pre-registered), make run's
+    update settings (one update a rollout batch at its learning rate and schedule) for that many
+    steps, evaluated as the stressed runs."""
+    evals = EVAL if preset != "quick" else {}
+    if unstressed:
+        return {**evals, "train.steps": unstressed}
+    return {**repro_optimizers.STRESS[preset], **evals}
 
 
 def two_level(differences: Mapping[int, Sequence[float]], confidence: float = 0.95) -> dict:
@@ -163,9 +174,10 @@ def run_all(args, arm_list) -> dict[int, dict[str, list[list[dict]]]]:
             runs[w] = repro_lib.read_records(pathlib.Path(args.records) / f"warm{w}", arm_list,
                                              seeds)  # fmt: skip
             continue
+        warm = pathlib.Path(args.warm_root or out) / f"warm{w}" / "warm_start"
         runs[w] = repro_lib.run_arms(
             out / f"warm{w}", args.preset, arm_list, seeds, progress=not args.no_progress,
-            common=common(args.preset), warm=out / f"warm{w}" / "warm_start", name=NAME,
+            common=common(args.preset, args.unstressed), warm=warm, name=NAME,
             shared=repro_system.long_completions(args.preset), warm_seed=w,
         )  # fmt: skip
         repro_lib.write_records(out / "records" / f"warm{w}", out / f"warm{w}", arm_list, seeds)
@@ -178,6 +190,12 @@ def main(argv=None) -> dict:
     p.set_defaults(preset="default")
     p.add_argument("--warm-seeds", default=WARM_SEEDS, help="comma-separated warm-start seeds")
     p.add_argument("--arms", default=",".join(LOSSES), help="comma-separated losses")
+    p.add_argument("--unstressed", type=int, default=0, metavar="STEPS",
+                   help="the control added after the result: make run's update settings for "
+                   "STEPS steps instead of the stress")  # fmt: skip
+    p.add_argument("--warm-root", default=None,
+                   help="the directory whose warm<W>/warm_start are the warm starts (default "
+                   "--out): a control reuses the experiment's")  # fmt: skip
     args = p.parse_args(argv)
     arm_list = repro_lib.select_arms(p, args.arms, arms)
     runs = run_all(args, arm_list)
@@ -191,7 +209,10 @@ def main(argv=None) -> dict:
     ]  # fmt: skip
     repro_lib.finish(
         args, argv, script="repro_optimizers_warm.py",
-        title="GRPO vs GSPO vs ESPO over warm starts (pre-registered)", sections=sections,
+        title="GRPO vs GSPO vs ESPO over warm starts "
+        + (f"(unstressed control, {args.unstressed} steps: not pre-registered)"
+           if args.unstressed else "(pre-registered)"),
+        sections=sections,
         files=files, data=data,
     )  # fmt: skip
     return data

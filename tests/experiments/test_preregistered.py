@@ -101,3 +101,15 @@ def test_the_confirmatory_curriculum_reports_each_warm_start_apart():
     assert len(diffs) == 6 and diffs[3:] == pytest.approx([d + 0.1 for d in diffs[:3]])
     assert list(by.values()) == [pytest.approx(diffs[:3]), pytest.approx(diffs[3:])]
     assert "By warm start (no verdict): warm start 1" in sections[0]
+
+
+def test_the_unstressed_control_drops_the_stress_and_keeps_the_evaluation():
+    warm = _load("repro_optimizers_warm")
+    stressed, control = warm.common("default"), warm.common("default", unstressed=10)
+    assert stressed["train.mini_batch_size"] == 16 and stressed["train.steps"] == 20
+    assert control["train.steps"] == 10
+    assert not {"train.mini_batch_size", "optimizer.learning_rate", "optimizer.schedule"} & set(
+        control
+    )
+    assert {k: control[k] for k in warm.EVAL} == warm.EVAL
+    assert {k: stressed[k] for k in warm.EVAL} == warm.EVAL
