@@ -53,20 +53,6 @@ def reward(prompt, completion, meta):
 """
 )
 
-# Waits (up to 30 s) for the file meta["gate"] to exist, then scores len(completion) / 10.
-GATED = testing.FromSource(
-    """
-def reward(prompt, completion, meta):
-    import os, time
-    deadline = time.monotonic() + 30
-    while not os.path.exists(meta["gate"]):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the gate never opened")
-        time.sleep(0.005)
-    return len(completion) / 10
-"""
-)
-
 # Returns what meta["kind"] asks for: a bool, an int, garbage, or raises.
 ANSWERS = testing.FromSource(
     """
@@ -250,12 +236,13 @@ def test_task_ids_are_unique_across_submits_and_results_match_their_ids():
 def test_results_times_out_and_the_tasks_stay_collectable(tmp_path):
     """results(timeout=) raises TimeoutError for unfinished tasks and keeps them for later; a
     task already collected is gone (asking for it again times out)."""
-    gate = tmp_path / "gate"
-    with pool.RewardPool(GATED, num_workers=1, timeout_s=100) as p:
-        ids = p.submit([("p", "ab", {"gate": str(gate)})])
+    # The sample's barrier of two parties: its own file, and the gate the test opens.
+    meta = {"dir": str(tmp_path), "parties": 2, "wait_s": 30}
+    with pool.RewardPool(BARRIER, num_workers=1, timeout_s=100) as p:
+        ids = p.submit([("p", "ab", meta)])
         with pytest.raises(TimeoutError):
             p.results(ids, timeout=0.2)
-        gate.touch()
+        (tmp_path / "gate").touch()
         res = p.results(ids, timeout=60)
         assert res.status == ("ok",)
         np.testing.assert_allclose(res.rewards, [0.2])
