@@ -99,16 +99,21 @@ def test_failed_rewards_get_the_configured_value():
     np.testing.assert_array_equal(res.rewards, [-0.5, 1.0])
 
 
+def _kill_first_attempt(directory, name: str) -> None:
+    """SIGKILL the worker running KILLABLE's first attempt at sample `name`, once it runs."""
+    pid_file = directory / f"{name}.pid"
+    while not pid_file.exists():
+        time.sleep(0.01)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_killed_from_outside_gets_its_sample_retried(tmp_path):
     """os.kill(SIGKILL) mid-task (the OOM killer): the sample is rescored on a fresh worker."""
     items = [("p", name, {"dir": str(tmp_path)}) for name in ("ok-1", "victim-22", "ok-333")]
     with pool.RewardPool(KILLABLE, num_workers=2, timeout_s=300) as p:
         ids = p.submit(items)
-        pid_file = tmp_path / "victim-22.pid"
-        while not pid_file.exists():  # the victim's first attempt is running
-            time.sleep(0.01)
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        _kill_first_attempt(tmp_path, "victim-22")
         res = p.results(ids, timeout=100)
         m = p.metrics()
     assert res.status == ("ok", "ok", "ok") and res.ok.all()
@@ -256,10 +261,7 @@ def test_a_retried_sample_keeps_its_place_in_the_queue(tmp_path):
     items = [("p", name, {"dir": str(tmp_path)}) for name in ("victim-1", "a", "bb")]
     with pool.RewardPool(KILLABLE, num_workers=1, timeout_s=300) as p:
         ids = p.submit(items)
-        pid_file = tmp_path / "victim-1.pid"
-        while not pid_file.exists():
-            time.sleep(0.01)
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        _kill_first_attempt(tmp_path, "victim-1")
         res = p.results(ids, timeout=100)
     assert res.status == ("ok", "ok", "ok")
     assert (tmp_path / "log").read_text().split() == ["victim-1", "victim-1", "a", "bb"]
