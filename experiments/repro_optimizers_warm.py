@@ -31,7 +31,7 @@ included 0. This run fixes everything before it starts:
 Written to OUT (default runs/repro/optimizers_warm): results.md / results.json, heldout.png.
 
 Added after the result (every stressed run collapsed; not pre-registered): `--unstressed 10
---warm-seeds 20 --seeds 30 --arms grpo,espo --warm-root runs/repro/optimizers_warm --out
+--warm-seeds 20 --seeds 30,31 --arms grpo,espo --warm-root runs/repro/optimizers_warm --out
 runs/repro/optimizers_warm_control`, the same warm start and evaluation under make run's update
 settings, to tell the stress's collapse from the task's.
 """
