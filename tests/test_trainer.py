@@ -515,6 +515,23 @@ class _ListStream:
         return []
 
 
+def _streamed_ids(history, ids, mode, downweight, *, step=0) -> list[str]:
+    """The ids `trainer._prompts` lets through, in order, from prompts `ids` (pre-filter
+    thresholds 0.01 / 0.99, every curriculum stage accepting, every prompt short enough)."""
+    from types import SimpleNamespace
+
+    from espo.data import examples as examples_lib
+
+    exs = [examples_lib.Example(id=i, prompt=i, answer="1", difficulty=0.0,
+                                meta={"answer": "1", "task": "t"}) for i in ids]  # fmt: skip
+    zve = SimpleNamespace(prefilter=mode, prefilter_low=0.01, prefilter_high=0.99,
+                          prefilter_downweight=downweight)  # fmt: skip
+    s = SimpleNamespace(zve=zve, max_prompt_length=100)
+    curr = SimpleNamespace(accepts=lambda state, difficulty, rate: True)
+    host = SimpleNamespace(history=history, curriculum=None, stream=_ListStream(exs))
+    return [e.id for e in trainer._prompts(s, curr, host, lambda e: [0], stage_seed=step)]
+
+
 @pytest.mark.parametrize(
     "mode, downweight, want",
     [("drop", 1.0, ["mixed", "new"]), ("off", 0.1, ["solved", "failed", "mixed", "new"]),
@@ -524,46 +541,23 @@ class _ListStream:
 def test_the_training_stream_prefilters_on_the_pass_rate_history(mode, downweight, want):
     """trainer._prompts drops (or keeps with probability zve.prefilter_downweight) the prompts
     whose online pass rate is at or past zve.prefilter_low / _high, and keeps unseen ones."""
-    from types import SimpleNamespace
-
-    from espo.data import examples as examples_lib
-
     history = zero_variance.PassRateHistory(prior=(1e-6, 1e-6))
     for pid, rewards in (("solved", [1, 1, 1, 1]), ("failed", [0, 0, 0, 0]), ("mixed", [1, 0])):
         history.update(zero_variance.Groups.of(prompt_ids=[pid], rewards=[rewards]))
-    exs = [examples_lib.Example(id=i, prompt=i, answer="1", difficulty=0.0,
-                                meta={"answer": "1", "task": "t"})
-           for i in ("solved", "failed", "mixed", "new")]  # fmt: skip
-    zve = SimpleNamespace(prefilter=mode, prefilter_low=0.01, prefilter_high=0.99,
-                          prefilter_downweight=downweight)  # fmt: skip
-    s = SimpleNamespace(zve=zve, max_prompt_length=100)
-    curr = SimpleNamespace(accepts=lambda state, difficulty, rate: True)
-    host = SimpleNamespace(history=history, curriculum=None, stream=_ListStream(exs))
-    got = trainer._prompts(s, curr, host, lambda e: [0], stage_seed=0)
-    assert [e.id for e in got] == want
+    ids = ["solved", "failed", "mixed", "new"]
+    assert _streamed_ids(history, ids, mode, downweight) == want
 
 
 def test_the_downweight_coin_keeps_its_share_and_changes_with_the_step():
     """Under "downweight" a flagged prompt is kept with probability zve.prefilter_downweight,
     by a coin of (prompt id, step): the same kept set on a rerun of a step (resume), another at
     the next step (a coin of the id alone would drop the same prompts all run)."""
-    from types import SimpleNamespace
-
-    from espo.data import examples as examples_lib
-
     ids = [f"p{i}" for i in range(400)]
     history = zero_variance.PassRateHistory(prior=(1e-6, 1e-6))
     history.update(zero_variance.Groups.of(prompt_ids=ids, rewards=[[1, 1, 1, 1]] * len(ids)))
-    exs = [examples_lib.Example(id=i, prompt=i, answer="1", difficulty=0.0,
-                                meta={"answer": "1", "task": "t"}) for i in ids]  # fmt: skip
-    zve = SimpleNamespace(prefilter="downweight", prefilter_low=0.01, prefilter_high=0.99,
-                          prefilter_downweight=0.25)  # fmt: skip
-    s = SimpleNamespace(zve=zve, max_prompt_length=100)
-    curr = SimpleNamespace(accepts=lambda state, difficulty, rate: True)
 
     def kept(step):
-        host = SimpleNamespace(history=history, curriculum=None, stream=_ListStream(exs))
-        return {e.id for e in trainer._prompts(s, curr, host, lambda e: [0], stage_seed=step)}
+        return set(_streamed_ids(history, ids, "downweight", 0.25, step=step))
 
     first, again, second = kept(3), kept(3), kept(4)
     assert first == again
